@@ -1,0 +1,49 @@
+"""Which device a unit computes on, and moving inputs there.
+
+fsdp1 owns no CUDA streams: collectives are asynchronous on the process group's own stream and a
+``Work.wait()`` orders the compute stream after them, while every buffer is allocated and freed on
+the compute stream. The same code therefore runs on CPU/gloo and CUDA/NCCL.
+"""
+
+import dataclasses
+from typing import Any, Iterable, Optional, Union
+
+import torch
+from torch import nn
+
+
+def resolve_compute_device(
+    module: nn.Module, device_id: Optional[Union[int, torch.device]], ignored_params: Iterable[nn.Parameter]
+) -> torch.device:
+    """``device_id`` when given (an int means that CUDA device), else the device of the module's
+    managed parameters, which must agree."""
+    if device_id is not None:
+        device = torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
+    ignored = set(ignored_params)
+    devices = {p.device for p in module.parameters() if p not in ignored}
+    if len(devices) > 1:
+        names = ", ".join(sorted(str(d) for d in devices))
+        raise RuntimeError(
+            f"fsdp1: the module's parameters are on several devices ({names}); FSDP computes each unit "
+            "on one device. Pass device_id=... to move the module there, or move it yourself first."
+        )
+    return devices.pop() if devices else torch.device("cpu")
+
+
+def move_to_device(obj: Any, device: torch.device) -> Any:
+    """``obj`` with every tensor inside tuples, lists, dicts and dataclasses moved to ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj if obj.device == device else obj.to(device, non_blocking=True)
+    if isinstance(obj, dict):
+        return type(obj)((k, move_to_device(v, device)) for k, v in obj.items())
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(move_to_device(v, device) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(move_to_device(v, device) for v in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: move_to_device(getattr(obj, f.name), device) for f in dataclasses.fields(obj) if f.init}
+        return dataclasses.replace(obj, **changes)
+    return obj

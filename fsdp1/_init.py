@@ -1,0 +1,181 @@
+"""Construction-time decisions: the process group, the strategy, which parameters each unit
+flattens, and validating all of it before anything is changed.
+
+Validation runs over the whole auto-wrap plan first, so bad input raises with the clean FQN of the
+offending parameter and leaves the user's module exactly as it was.
+"""
+
+import warnings
+from typing import Any, Dict, List, Optional, Sequence
+
+from torch import nn
+
+from . import _collectives as comm
+from ._flat_param import ParamSlot
+from ._traversal import clean_fqn, is_fsdp_unit, iter_param_slots
+from .api import CPUOffload, ShardingStrategy, coerce_enum
+from .wrap import AutoWrapPolicy, apply_wrap, plan_auto_wrap
+
+SHARDED_STRATEGIES = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP)
+
+
+def reject_unsupported(**arguments: Any) -> None:
+    """Constructor arguments torch accepts whose features fsdp1 does not have yet: refuse them loudly
+    rather than train differently from what the script asked for."""
+    defaults = {
+        "mixed_precision": None,
+        "ignored_modules": None,
+        "param_init_fn": None,
+        "sync_module_states": False,
+        "ignored_states": None,
+        "device_mesh": None,
+    }
+    for name, value in arguments.items():
+        if name == "cpu_offload":
+            if value is not None and getattr(value, "offload_params", False):
+                raise NotImplementedError(
+                    "fsdp1: cpu_offload=CPUOffload(offload_params=True) is not supported yet; "
+                    "remove the argument to keep parameters on the compute device."
+                )
+        elif value is not defaults[name] and value != defaults[name]:
+            raise NotImplementedError(
+                f"fsdp1: {name}= is not supported yet; remove the argument (its default is {defaults[name]!r})."
+            )
+
+
+def resolve_process_group(process_group: Optional[comm.ProcessGroup]) -> comm.ProcessGroup:
+    if not comm.is_initialized():
+        raise RuntimeError(
+            "fsdp1: torch.distributed is not initialized. Call torch.distributed.init_process_group() "
+            "(e.g. under torchrun) before wrapping the model."
+        )
+    if process_group is not None and not isinstance(process_group, comm.ProcessGroup):
+        raise ValueError(
+            f"fsdp1: process_group must be a torch.distributed ProcessGroup, got {type(process_group).__name__}; "
+            "hybrid strategies with a (shard, replicate) tuple are not supported yet."
+        )
+    return process_group if process_group is not None else comm.default_group()
+
+
+def resolve_sharding_strategy(strategy: Optional[ShardingStrategy], world_size: int) -> ShardingStrategy:
+    """FULL_SHARD by default; NO_SHARD on one rank, where sharding has nothing to split (as torch)."""
+    strategy = ShardingStrategy.FULL_SHARD if strategy is None else coerce_enum(strategy, ShardingStrategy, "sharding_strategy")
+    if strategy not in SHARDED_STRATEGIES + (ShardingStrategy.NO_SHARD,):
+        raise NotImplementedError(
+            f"fsdp1: sharding_strategy={strategy} is not supported yet; use FULL_SHARD, SHARD_GRAD_OP or NO_SHARD."
+        )
+    if world_size == 1 and strategy is not ShardingStrategy.NO_SHARD:
+        warnings.warn(
+            "FSDP is switching to use `NO_SHARD` instead of "
+            f"{strategy} since the world size is 1.",
+            stacklevel=3,
+        )
+        return ShardingStrategy.NO_SHARD
+    if strategy is ShardingStrategy.NO_SHARD and world_size > 1:
+        warnings.warn(
+            "The `NO_SHARD` sharding strategy is deprecated. If having issues, please use "
+            "`DistributedDataParallel` instead.",
+            FutureWarning,
+            stacklevel=3,
+        )
+    return strategy
+
+
+def resolve_cpu_offload(cpu_offload: Optional[CPUOffload]) -> CPUOffload:
+    return CPUOffload(offload_params=False) if cpu_offload is None else cpu_offload
+
+
+def auto_wrap(
+    module: nn.Module,
+    policy: AutoWrapPolicy,
+    child_kwargs: Dict[str, Any],
+    wrapper_cls: type,
+    use_orig_params: bool,
+) -> None:
+    """Validate every unit the policy plans, then wrap the planned submodules children-first."""
+    for name, submodule in module.named_modules():
+        if is_fsdp_unit(submodule):
+            raise ValueError(
+                "fsdp1: auto_wrap_policy needs a module without FSDP units inside, but "
+                f"'{name}' is already a FullyShardedDataParallel unit. Pass the unwrapped module "
+                "with auto_wrap_policy, or wrap every unit by hand without it."
+            )
+    planned = plan_auto_wrap(module, policy, set(), child_kwargs)
+    paths = {m: name for name, m in module.named_modules()}
+    owners: Dict[nn.Parameter, str] = {}
+    for unit in list(planned) + [module]:
+        stop = lambda m, unit=unit: m is not unit and (m in planned or is_fsdp_unit(m))  # noqa: E731
+        prefix = paths[unit] + "." if paths[unit] else ""
+        slots = list(iter_param_slots(unit, prefix, stop))
+        validate_unit_params(paths[unit], slots, use_orig_params)
+        _check_not_shared_across_units(paths[unit], slots, owners)
+    apply_wrap(module, planned, wrapper_cls)
+
+
+def unit_param_slots(module: nn.Module, use_orig_params: bool) -> List[ParamSlot]:
+    """The parameters this unit flattens: those below it and not inside a nested unit, validated."""
+    slots = list(iter_param_slots(module))
+    validate_unit_params("", slots, use_orig_params)
+    owners = {
+        slot.param: clean_fqn(name)
+        for name, nested in module.named_modules()
+        if is_fsdp_unit(nested) and nested._handle is not None
+        for slot in slots
+        if nested._handle.manages(slot.param)
+    }
+    _check_not_shared_across_units("", slots, owners)
+    return slots
+
+
+def validate_unit_params(unit_path: str, slots: Sequence[ParamSlot], use_orig_params: bool) -> None:
+    """Raise if the unit's parameters cannot form one FlatParameter, naming the parameter and the fix."""
+    unit = f"unit '{unit_path}'" if unit_path else "the root unit"
+    first: Optional[ParamSlot] = None
+    for slot in slots:
+        param = slot.param
+        if not (param.is_floating_point() or param.is_complex()):
+            raise ValueError(
+                f"fsdp1: parameter '{slot.fqn}' has dtype {param.dtype}; FSDP can only shard floating-point "
+                "parameters, since integer tensors have no gradient. Register it as a buffer "
+                "(module.register_buffer) instead."
+            )
+        if param.dim() == 0:
+            raise ValueError(
+                f"fsdp1: parameter '{slot.fqn}' is a 0-dim (scalar) tensor, which FSDP cannot flatten. "
+                "Make it a 1-D tensor, e.g. nn.Parameter(value.reshape(1))."
+            )
+        if first is None:
+            first = slot
+            continue
+        if param.dtype != first.param.dtype:
+            raise ValueError(
+                f"fsdp1: {unit} must flatten parameters of one dtype, but '{first.fqn}' is {first.param.dtype} "
+                f"and '{slot.fqn}' is {param.dtype}. Cast the module to one dtype before wrapping "
+                "(e.g. module.float()), or wrap the submodule of the other dtype as its own unit."
+            )
+        if param.device != first.param.device:
+            raise ValueError(
+                f"fsdp1: {unit} must flatten parameters on one device, but '{first.fqn}' is on "
+                f"{first.param.device} and '{slot.fqn}' is on {param.device}. Pass device_id=... or move the "
+                "module to one device before wrapping."
+            )
+        if not use_orig_params and param.requires_grad != first.param.requires_grad:
+            trainable, frozen = (slot, first) if param.requires_grad else (first, slot)
+            raise ValueError(
+                f"fsdp1: {unit} mixes trainable '{trainable.fqn}' and frozen '{frozen.fqn}' parameters, but with "
+                "use_orig_params=False a unit's one FlatParameter has one requires_grad. Pass "
+                "use_orig_params=True, or wrap the frozen submodules as units of their own."
+            )
+
+
+def _check_not_shared_across_units(unit_path: str, slots: Sequence[ParamSlot], owners: Dict[nn.Parameter, str]) -> None:
+    for slot in slots:
+        owner = owners.setdefault(slot.param, unit_path)
+        if owner != unit_path:
+            where = f"unit '{owner}'" if owner else "the root unit"
+            here = f"unit '{unit_path}'" if unit_path else "the root unit"
+            raise ValueError(
+                f"fsdp1: parameter '{slot.fqn}' is shared between {here} and {where}; a parameter can "
+                "belong to one unit only. Wrap the modules that share it in one unit (e.g. leave the "
+                "tied embedding and output layer to their common parent)."
+            )

@@ -1,0 +1,189 @@
+"""The training-time lifecycle of units: lazy root init, forward and backward hooks, and the
+end-of-backward callback. The only module that registers autograd hooks.
+
+One ``RootState`` per root is shared by every unit below it. Per iteration each unit goes
+IDLE -> FORWARD_BACKWARD (pre-forward) -> IDLE (post-forward) -> FORWARD_BACKWARD (first output
+gradient) -> IDLE (root's final callback). The final callback is the one place that waits for every
+outstanding reduction, so after ``loss.backward()`` every ``.grad`` is in place and every unit is
+resharded as its strategy asks.
+"""
+
+from collections import deque
+from enum import Enum, auto
+from functools import partial
+from typing import TYPE_CHECKING, Any, Deque, Dict, List, Tuple
+
+import torch
+from torch.autograd import Variable
+from torch.autograd.profiler import record_function
+
+from ._device import move_to_device
+from ._flat_param import GradReduction, HandleTrainingState
+from ._traversal import fsdp_units, iter_tensors, unit_paths
+from .api import ShardingStrategy
+
+if TYPE_CHECKING:
+    from .fully_sharded_data_parallel import FullyShardedDataParallel as Unit
+
+
+class TrainingState(Enum):
+    """What a unit is doing, named as torch's ``TrainingState``."""
+
+    IDLE = auto()
+    FORWARD_BACKWARD = auto()
+    SUMMON_FULL_PARAMS = auto()
+
+
+class RootState:
+    """Runtime shared by a root and its units: the unit list, the final callback, reductions in flight.
+
+    At most ``MAX_REDUCTIONS_IN_FLIGHT`` gradient reductions are outstanding; each holds one unit's
+    unsharded gradient, so the bound caps that memory while still letting a reduction overlap the
+    next unit's backward computation.
+    """
+
+    MAX_REDUCTIONS_IN_FLIGHT = 2
+
+    def __init__(self, root: "Unit") -> None:
+        self.root = root
+        self.units: List["Unit"] = fsdp_units(root)
+        self.unit_paths: Dict["Unit", str] = unit_paths(root)
+        self.is_final_callback_queued = False
+        self._reductions: Deque[GradReduction] = deque()
+
+    def queue_final_callback(self) -> None:
+        if not self.is_final_callback_queued:
+            self.is_final_callback_queued = True
+            Variable._execution_engine.queue_callback(partial(_finalize_backward, self))
+
+    def add_reduction(self, reduction: GradReduction) -> None:
+        self._reductions.append(reduction)
+        while len(self._reductions) > self.MAX_REDUCTIONS_IN_FLIGHT:
+            self._reductions.popleft().finish()
+
+    def finish_reductions(self) -> None:
+        while self._reductions:
+            self._reductions.popleft().finish()
+
+    def path_of(self, unit: "Unit") -> str:
+        return self.unit_paths.get(unit, "?")
+
+
+def lazy_init(unit: "Unit") -> None:
+    """Make ``unit`` the root of every unit below it, the first time it is used from the outside."""
+    if unit._is_root is not None:
+        return
+    state = RootState(unit)
+    for member in state.units:
+        member._is_root = member is unit
+        member._root_state = state
+
+
+def register_post_backward_hook(unit: "Unit") -> None:
+    """Reduce the unit's gradient as soon as autograd has accumulated it into the flat parameter."""
+    if unit._handle is not None and unit._handle.flat_param.requires_grad:
+        unit._handle.flat_param.register_post_accumulate_grad_hook(partial(_post_backward, unit))
+
+
+def pre_forward(unit: "Unit", args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+    with record_function("FSDP::pre_forward"):
+        lazy_init(unit)
+        if unit._is_root:
+            _assert_idle(unit._root_state, "forward")
+            for member in unit._root_state.units:
+                if member._handle is not None:
+                    member._handle.prepare_gradient_for_backward()
+            if unit.compute_device.type != "cpu":
+                args, kwargs = move_to_device((args, kwargs), unit.compute_device)
+        unit.training_state = TrainingState.FORWARD_BACKWARD
+        handle = unit._handle
+        if handle is not None:
+            handle.training_state = HandleTrainingState.FORWARD
+            handle.unshard()
+            handle.wait_unshard()
+            handle.use_unsharded_views()
+        return args, kwargs
+
+
+def post_forward(unit: "Unit", output: Any) -> Any:
+    with record_function("FSDP::post_forward"):
+        handle = unit._handle
+        if handle is not None:
+            if unit.sharding_strategy is ShardingStrategy.FULL_SHARD and not unit._is_root:
+                handle.reshard()
+            handle.training_state = HandleTrainingState.IDLE
+        if torch.is_grad_enabled():
+            hook = partial(_pre_backward, unit)
+            for tensor in iter_tensors(output):
+                if tensor.requires_grad:
+                    tensor.register_hook(hook)
+        unit.training_state = TrainingState.IDLE
+        return output
+
+
+def _pre_backward(unit: "Unit", grad: torch.Tensor) -> None:
+    """First gradient reaching one of the unit's outputs: gather its parameters for backward."""
+    with record_function("FSDP::pre_backward"):
+        unit._root_state.queue_final_callback()
+        if unit._ran_pre_backward:
+            return
+        unit._ran_pre_backward = True
+        unit.training_state = TrainingState.FORWARD_BACKWARD
+        handle = unit._handle
+        if handle is not None:
+            handle.training_state = HandleTrainingState.BACKWARD_PRE
+            handle.unshard()
+            handle.wait_unshard()
+
+
+def _post_backward(unit: "Unit", flat_param: torch.Tensor) -> None:
+    """The unit's gradient is complete: start its reduction and reshard."""
+    with record_function("FSDP::post_backward"):
+        state = unit._root_state
+        state.queue_final_callback()
+        if flat_param.grad.requires_grad:
+            raise RuntimeError(
+                f"fsdp1: unit '{state.path_of(unit)}' received a gradient that itself requires grad "
+                "(backward with create_graph=True); FSDP does not support gradients of gradients. "
+                "Call backward() without create_graph."
+            )
+        handle = unit._handle
+        handle.training_state = HandleTrainingState.BACKWARD_POST
+        if unit._sync_gradients:
+            state.add_reduction(handle.reduce_grad())
+        else:
+            handle.keep_grad_unreduced()
+        if _reshards_after_backward(unit):
+            handle.reshard()
+
+
+def _reshards_after_backward(unit: "Unit") -> bool:
+    """Inside ``no_sync`` SHARD_GRAD_OP keeps parameters unsharded for the next micro-batch."""
+    return unit._sync_gradients or unit.sharding_strategy is not ShardingStrategy.SHARD_GRAD_OP
+
+
+def _finalize_backward(state: RootState) -> None:
+    """Root's end of backward: finish reductions, reshard units whose post-backward never ran
+    (unused parameters), install ``.grad`` and return every unit to IDLE."""
+    with record_function("FSDP::post_backward_final_callback"):
+        state.finish_reductions()
+        for unit in state.units:
+            handle = unit._handle
+            if handle is not None:
+                if _reshards_after_backward(unit):
+                    handle.reshard()
+                handle.prepare_gradient_for_optim()
+                handle.training_state = HandleTrainingState.IDLE
+            unit.training_state = TrainingState.IDLE
+            unit._ran_pre_backward = False
+        state.is_final_callback_queued = False
+
+
+def _assert_idle(state: RootState, action: str) -> None:
+    for unit in state.units:
+        if unit.training_state is not TrainingState.IDLE:
+            raise RuntimeError(
+                f"fsdp1: cannot start {action}: unit '{state.path_of(unit)}' is in state "
+                f"{unit.training_state.name}, expected IDLE. A previous forward or backward did not finish "
+                "(an exception inside it?); rebuild the model or restart the step from a clean state."
+            )

@@ -1,0 +1,68 @@
+"""Finding units, naming things by their clean FQN, and walking nested outputs.
+
+Read-only: nothing here changes a module. A module counts as an FSDP unit when its class says so
+(``_is_fsdp_unit``), which keeps this module free of an import of the wrapper class.
+"""
+
+import dataclasses
+from typing import Any, Callable, Dict, Iterator, List
+
+import torch
+from torch import nn
+
+from ._flat_param import ParamSlot
+
+FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
+FSDP_PREFIX = FSDP_WRAPPED_MODULE + "."
+CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
+
+
+def clean_fqn(fqn: str) -> str:
+    """``fqn`` as the user's unwrapped model names it."""
+    return fqn.replace(FSDP_PREFIX, "").replace(CHECKPOINT_PREFIX, "")
+
+
+def is_fsdp_unit(module: nn.Module) -> bool:
+    return getattr(type(module), "_is_fsdp_unit", False)
+
+
+def fsdp_units(module: nn.Module, root_only: bool = False) -> List[nn.Module]:
+    """Every unit in ``module``'s tree (``module.modules()`` order); only the outermost with ``root_only``."""
+    units = [m for m in module.modules() if is_fsdp_unit(m)]
+    if not root_only:
+        return units
+    nested = {id(m) for unit in units for m in unit.modules() if m is not unit and is_fsdp_unit(m)}
+    return [unit for unit in units if id(unit) not in nested]
+
+
+def unit_paths(root: nn.Module) -> Dict[nn.Module, str]:
+    """Clean path of every unit below ``root`` ('' for the root itself)."""
+    return {m: clean_fqn(name) for name, m in root.named_modules() if is_fsdp_unit(m)}
+
+
+def iter_param_slots(
+    module: nn.Module, prefix: str = "", stop: Callable[[nn.Module], bool] = is_fsdp_unit
+) -> Iterator[ParamSlot]:
+    """Every registration of a parameter in ``module``'s tree, in ``module.parameters()`` order and
+    with repeats, not descending into modules for which ``stop`` holds (nested units)."""
+    for attr, param in module._parameters.items():
+        if param is not None:
+            yield ParamSlot(prefix + attr, module, attr, param)
+    for name, child in module._modules.items():
+        if child is not None and not stop(child):
+            yield from iter_param_slots(child, f"{prefix}{name}.", stop)
+
+
+def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor inside tuples, lists, sets, dicts and dataclasses (a module's output)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from iter_tensors(value)
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        for value in obj:
+            yield from iter_tensors(value)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for field in dataclasses.fields(obj):
+            yield from iter_tensors(getattr(obj, field.name))

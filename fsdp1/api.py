@@ -1,0 +1,156 @@
+"""Public enums and configuration dataclasses, named and ordered as in ``torch.distributed.fsdp.api``.
+
+Pure data: this module imports nothing of fsdp1, so every other module can use it. ``coerce_enum``
+lets a script pass torch's own enum members (``torch.distributed.fsdp.ShardingStrategy.FULL_SHARD``)
+wherever fsdp1 expects its own, which keeps scripts written for torch's FSDP1 running unchanged.
+"""
+
+from dataclasses import dataclass
+from enum import Enum, auto
+from typing import Optional, Sequence, Type, TypeVar
+
+import torch
+from torch.nn.modules.batchnorm import _BatchNorm
+
+__all__ = [
+    "ShardingStrategy",
+    "BackwardPrefetch",
+    "MixedPrecision",
+    "CPUOffload",
+    "StateDictType",
+    "StateDictConfig",
+    "FullStateDictConfig",
+    "LocalStateDictConfig",
+    "ShardedStateDictConfig",
+    "OptimStateDictConfig",
+    "FullOptimStateDictConfig",
+    "LocalOptimStateDictConfig",
+    "ShardedOptimStateDictConfig",
+    "StateDictSettings",
+]
+
+
+class ShardingStrategy(Enum):
+    """How parameters, gradients and optimizer state are split over the ranks of the FSDP group.
+
+    FULL_SHARD shards all three and frees the unsharded parameters after each unit's forward;
+    SHARD_GRAD_OP keeps them from forward until the end of backward; NO_SHARD replicates like DDP.
+    The hybrid strategies shard within one group and replicate across another.
+    """
+
+    FULL_SHARD = auto()
+    SHARD_GRAD_OP = auto()
+    NO_SHARD = auto()
+    HYBRID_SHARD = auto()
+    _HYBRID_SHARD_ZERO2 = auto()
+
+
+class BackwardPrefetch(Enum):
+    """When the next unit's all-gather is issued in backward, relative to the current unit's gradient."""
+
+    BACKWARD_PRE = auto()
+    BACKWARD_POST = auto()
+
+
+@dataclass
+class MixedPrecision:
+    """Dtypes used for the unsharded parameters, the gradient reduction and the buffers."""
+
+    param_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
+    buffer_dtype: Optional[torch.dtype] = None
+    keep_low_precision_grads: bool = False
+    cast_forward_inputs: bool = False
+    cast_root_forward_inputs: bool = True
+    _module_classes_to_ignore: Sequence[Type[torch.nn.Module]] = (_BatchNorm,)
+
+
+@dataclass
+class CPUOffload:
+    """Whether the sharded parameters (and so their gradients and the optimizer step) live on CPU."""
+
+    offload_params: bool = False
+
+
+class StateDictType(Enum):
+    """Which form ``state_dict()`` returns and ``load_state_dict()`` expects."""
+
+    FULL_STATE_DICT = auto()
+    LOCAL_STATE_DICT = auto()
+    SHARDED_STATE_DICT = auto()
+
+
+@dataclass
+class StateDictConfig:
+    """Base of the model state-dict configurations."""
+
+    offload_to_cpu: bool = False
+
+
+@dataclass
+class FullStateDictConfig(StateDictConfig):
+    """FULL_STATE_DICT options: with ``rank0_only`` the other ranks return an empty dict."""
+
+    rank0_only: bool = False
+
+
+@dataclass
+class LocalStateDictConfig(StateDictConfig):
+    """LOCAL_STATE_DICT options."""
+
+
+@dataclass
+class ShardedStateDictConfig(StateDictConfig):
+    """SHARDED_STATE_DICT options."""
+
+    _use_dtensor: bool = False
+
+
+@dataclass
+class OptimStateDictConfig:
+    """Base of the optimizer state-dict configurations (note: offloads by default, unlike the model's)."""
+
+    offload_to_cpu: bool = True
+
+
+@dataclass
+class FullOptimStateDictConfig(OptimStateDictConfig):
+    """Full optimizer state-dict options."""
+
+    rank0_only: bool = False
+
+
+@dataclass
+class LocalOptimStateDictConfig(OptimStateDictConfig):
+    """Local optimizer state-dict options."""
+
+    offload_to_cpu: bool = False
+
+
+@dataclass
+class ShardedOptimStateDictConfig(OptimStateDictConfig):
+    """Sharded optimizer state-dict options."""
+
+    _use_dtensor: bool = False
+
+
+@dataclass
+class StateDictSettings:
+    """What ``set_state_dict_type`` / ``get_state_dict_type`` hand back."""
+
+    state_dict_type: StateDictType
+    state_dict_config: StateDictConfig
+    optim_state_dict_config: OptimStateDictConfig
+
+
+EnumT = TypeVar("EnumT", bound=Enum)
+
+
+def coerce_enum(value: Enum, enum_cls: Type[EnumT], argument: str) -> EnumT:
+    """Return ``enum_cls``'s member of the same name as ``value`` (torch's enums and ours share names)."""
+    if isinstance(value, enum_cls):
+        return value
+    if isinstance(value, Enum) and value.name in enum_cls.__members__:
+        return enum_cls[value.name]
+    names = ", ".join(f"{enum_cls.__name__}.{n}" for n in enum_cls.__members__)
+    raise ValueError(f"fsdp1: {argument}={value!r} is not one of {names}.")

@@ -1,0 +1,199 @@
+"""``FullyShardedDataParallel``: the module users wrap their model in.
+
+``__init__`` is a recipe of named construction steps; ``forward`` hands over to ``_runtime``; the
+public methods are thin. Everything here keeps torch FSDP1's names, argument order and defaults, so
+a script written for torch's FSDP1 runs after swapping the import.
+"""
+
+import contextlib
+from enum import Enum, auto
+from typing import Any, Callable, Iterable, Iterator, List, Optional, Union
+
+import torch
+from torch import nn
+from torch.autograd.profiler import record_function
+
+from . import _collectives as comm
+from . import _init, _runtime
+from ._device import resolve_compute_device
+from ._flat_param import FLAT_PARAM, FlatParameter, FlatParamHandle
+from ._init import SHARDED_STRATEGIES
+from ._runtime import TrainingState
+from ._traversal import FSDP_WRAPPED_MODULE, fsdp_units
+from .api import (
+    BackwardPrefetch,
+    CPUOffload,
+    MixedPrecision,
+    ShardingStrategy,
+    coerce_enum,
+)
+from .wrap import AutoWrapPolicy
+
+__all__ = ["FullyShardedDataParallel", "OptimStateKeyType"]
+
+
+class OptimStateKeyType(Enum):
+    """How ``rekey_optim_state_dict`` keys optimizer state: by parameter name or by position."""
+
+    PARAM_NAME = auto()
+    PARAM_ID = auto()
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Shards a module's parameters, gradients and optimizer state over the ranks of a process group.
+
+    Each unit flattens the parameters of its module (minus those of nested units) into one
+    ``FlatParameter`` and keeps one shard of it per rank. Forward and backward all-gather the unit's
+    parameters around its computation; gradients are averaged over the ranks, as DDP's, and each
+    rank keeps the shard it owns.
+    """
+
+    _is_fsdp_unit = True
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group: Optional[comm.ProcessGroup] = None,
+        sharding_strategy: Optional[ShardingStrategy] = None,
+        cpu_offload: Optional[CPUOffload] = None,
+        auto_wrap_policy: Optional[AutoWrapPolicy] = None,
+        backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE,
+        mixed_precision: Optional[MixedPrecision] = None,
+        ignored_modules: Optional[Iterable[nn.Module]] = None,
+        param_init_fn: Optional[Callable[[nn.Module], None]] = None,
+        device_id: Optional[Union[int, torch.device]] = None,
+        sync_module_states: bool = False,
+        forward_prefetch: bool = False,
+        limit_all_gathers: bool = True,
+        use_orig_params: bool = False,
+        ignored_states: Optional[Iterable[Any]] = None,
+        device_mesh: Optional[Any] = None,
+    ) -> None:
+        super().__init__()
+        # Refuse what is not built yet, and check everything, before touching the module.
+        _init.reject_unsupported(
+            cpu_offload=cpu_offload,
+            mixed_precision=mixed_precision,
+            ignored_modules=ignored_modules,
+            param_init_fn=param_init_fn,
+            sync_module_states=sync_module_states,
+            ignored_states=ignored_states,
+            device_mesh=device_mesh,
+        )
+        self.process_group = _init.resolve_process_group(process_group)
+        self.rank = comm.group_rank(self.process_group)
+        self.world_size = comm.group_size(self.process_group)
+        self.sharding_strategy = _init.resolve_sharding_strategy(sharding_strategy, self.world_size)
+        self.cpu_offload = _init.resolve_cpu_offload(cpu_offload)
+        self.mixed_precision = mixed_precision
+        self.backward_prefetch = (
+            None if backward_prefetch is None else coerce_enum(backward_prefetch, BackwardPrefetch, "backward_prefetch")
+        )
+        self.forward_prefetch = forward_prefetch
+        self.limit_all_gathers = limit_all_gathers
+        self._use_orig_params = use_orig_params
+
+        # Children first: each planned submodule becomes its own unit with the same arguments.
+        if auto_wrap_policy is not None:
+            child_kwargs = dict(
+                process_group=process_group,
+                sharding_strategy=sharding_strategy,
+                cpu_offload=cpu_offload,
+                backward_prefetch=backward_prefetch,
+                device_id=device_id,
+                forward_prefetch=forward_prefetch,
+                limit_all_gathers=limit_all_gathers,
+                use_orig_params=use_orig_params,
+            )
+            _init.auto_wrap(module, auto_wrap_policy, child_kwargs, type(self), use_orig_params)
+
+        # This unit flattens what the children left, on the compute device.
+        slots = _init.unit_param_slots(module, use_orig_params)
+        self.compute_device = resolve_compute_device(module, device_id, ())
+        if device_id is not None:
+            module.to(self.compute_device)
+        self._fsdp_wrapped_module = module
+        self._handle: Optional[FlatParamHandle] = None
+        if slots:
+            self._handle = FlatParamHandle(
+                slots, self.process_group, self.sharding_strategy in SHARDED_STRATEGIES, use_orig_params
+            )
+            if not use_orig_params:
+                module._parameters[FLAT_PARAM] = self._handle.flat_param
+
+        # Runtime state; the root is decided lazily, at the first forward.
+        self.training_state = TrainingState.IDLE
+        self._is_root: Optional[bool] = None
+        self._root_state: Optional[_runtime.RootState] = None
+        self._sync_gradients = True
+        self._ran_pre_backward = False
+        _runtime.register_post_backward_hook(self)
+
+    # ------------------------------------------------------------------------------ module protocol
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module."""
+        return self._fsdp_wrapped_module
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == FSDP_WRAPPED_MODULE:
+                raise
+            return getattr(self._fsdp_wrapped_module, name)
+
+    def __getitem__(self, key: int) -> Any:
+        return self._fsdp_wrapped_module.__getitem__(key)  # type: ignore[operator]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with record_function("FullyShardedDataParallel.forward"):
+            args, kwargs = _runtime.pre_forward(self, args, kwargs)
+            output = self._fsdp_wrapped_module(*args, **kwargs)
+            return _runtime.post_forward(self, output)
+
+    # ------------------------------------------------------------------------------ torch FSDP1 surface
+    @property
+    def _has_params(self) -> bool:
+        return self._handle is not None
+
+    @property
+    def _flat_param(self) -> Optional[FlatParameter]:
+        return self._handle.flat_param if self._handle is not None else None
+
+    @property
+    def params(self) -> List[FlatParameter]:
+        return [self._handle.flat_param] if self._handle is not None else []
+
+    def check_is_root(self) -> bool:
+        _runtime.lazy_init(self)
+        return bool(self._is_root)
+
+    @staticmethod
+    def fsdp_modules(module: nn.Module, root_only: bool = False) -> List["FullyShardedDataParallel"]:
+        """Every FSDP unit in ``module``'s tree, ``module`` included; only the outermost with ``root_only``."""
+        return fsdp_units(module, root_only)  # type: ignore[return-value]
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally, without communication, like DDP's ``no_sync``.
+
+        The first backward after the context reduces the accumulated sum. Unsharded gradients are
+        kept meanwhile, so memory grows by one unsharded gradient per unit.
+        """
+        _runtime.lazy_init(self)
+        if not self._is_root:
+            path = self._root_state.path_of(self)
+            raise RuntimeError(
+                f"fsdp1: no_sync() was called on the inner FSDP unit '{path}'; it is only supported on "
+                "the root unit. Call it on the model you run forward on: `with model.no_sync(): ...`."
+            )
+        units = self._root_state.units
+        previous = [unit._sync_gradients for unit in units]
+        for unit in units:
+            unit._sync_gradients = False
+        try:
+            yield
+        finally:
+            for unit, sync in zip(units, previous):
+                unit._sync_gradients = sync

@@ -1,0 +1,128 @@
+"""A persistent pool of spawned gloo ranks for multi-rank tests.
+
+Starting ranks costs ~2 s; a test on a warm pool costs milliseconds. Test bodies are module-level
+functions, run on every rank; their return values come back to pytest as a list indexed by rank.
+The first rank to fail (exception, death or timeout) kills the whole pool, since its peers may be
+blocked in a collective it never entered, and the test raises that rank's traceback; the next test
+starts a fresh pool, so no group is reused after a possible desynchronisation.
+"""
+
+import os
+import queue
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Dict, List
+
+import torch.multiprocessing as mp
+
+RANK_TIMEOUT_S = 60  # gloo's own timeout: a backstop behind the pool's per-test deadline
+
+
+class RankFailure(AssertionError):
+    pass
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=RANK_TIMEOUT_S),
+    )
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args = task
+        try:
+            results.put((rank, True, fn(*args)))
+        except BaseException:  # noqa: BLE001 - every failure goes back to pytest
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """``world_size`` worker processes joined in one gloo group, reused across tests."""
+
+    def __init__(self, world_size: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._results = ctx.Queue()
+        port = _free_port()
+        self._procs = [
+            ctx.Process(target=_worker, args=(r, world_size, port, self._tasks[r], self._results), daemon=True)
+            for r in range(world_size)
+        ]
+        for proc in self._procs:
+            proc.start()
+
+    def run(self, fn: Callable[..., Any], args: tuple, timeout_s: float) -> List[Any]:
+        for task_queue in self._tasks:
+            task_queue.put((fn, args))
+        results: Dict[int, Any] = {}
+        waited = 0.0
+        while len(results) < self.world_size:
+            try:
+                rank, ok, payload = self._results.get(timeout=0.25)
+            except queue.Empty:
+                waited += 0.25
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in results]
+                if dead:
+                    raise RankFailure(f"rank {dead[0]} died (exit code {self._procs[dead[0]].exitcode}) in {fn.__name__}")
+                if waited > timeout_s:
+                    missing = sorted(set(range(self.world_size)) - set(results))
+                    raise RankFailure(f"ranks {missing} did not finish {fn.__name__} within {timeout_s:.0f} s")
+                continue
+            if not ok:
+                raise RankFailure(f"rank {rank} of {self.world_size} failed in {fn.__name__}:\n{payload}")
+            results[rank] = payload
+        return [results[r] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        for task_queue in self._tasks:
+            try:
+                task_queue.put(None)
+            except (OSError, ValueError):
+                pass
+        for proc in self._procs:
+            proc.join(timeout=2)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+_pools: Dict[int, RankPool] = {}
+
+
+def run_on_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: float = 180) -> List[Any]:
+    """Run ``fn(*args)`` on every rank of a ``world_size`` gloo group; return each rank's result."""
+    pool = _pools.get(world_size)
+    if pool is None:
+        pool = _pools[world_size] = RankPool(world_size)
+    try:
+        return pool.run(fn, args, timeout_s)
+    except BaseException:
+        _pools.pop(world_size)
+        for proc in pool._procs:
+            proc.kill()
+        pool.close()
+        raise
+
+
+def close_pools() -> None:
+    while _pools:
+        _pools.popitem()[1].close()
