@@ -1,0 +1,177 @@
+"""Small models and helpers shared by the multi-rank tests (imported on every rank)."""
+
+import copy
+from typing import Callable, Dict, List
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fsdp1
+from fsdp1._traversal import unit_paths
+
+VOCAB, SEQ, D_MODEL, HEADS, LAYERS, HIDDEN = 37, 9, 10, 2, 2, 31
+"""Sizes chosen so that no flat parameter divides evenly: every unit (1111 and 887 elements) needs
+padding on 2 and 4 ranks."""
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(D_MODEL)
+        # No qkv bias: the key bias cannot change softmax, so its gradient is pure rounding noise that
+        # Adam would scale up to lr-sized updates, making any two correct implementations disagree.
+        self.qkv = nn.Linear(D_MODEL, 3 * D_MODEL, bias=False)
+        self.proj = nn.Linear(D_MODEL, D_MODEL)
+        self.ln2 = nn.LayerNorm(D_MODEL)
+        self.fc = nn.Linear(D_MODEL, HIDDEN)
+        self.out = nn.Linear(HIDDEN, D_MODEL)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, HEADS, d // HEADS).transpose(1, 2) for z in (q, k, v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, D_MODEL)
+        self.pos = nn.Parameter(torch.randn(SEQ, D_MODEL) * 0.02)
+        self.blocks = nn.Sequential(*[Block() for _ in range(LAYERS)])
+        self.ln_f = nn.LayerNorm(D_MODEL)
+        self.head = nn.Linear(D_MODEL, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        return self.head(self.ln_f(self.blocks(x)))
+
+
+def make_gpt(seed: int = 0) -> TinyGPT:
+    torch.manual_seed(seed)
+    return TinyGPT()
+
+
+def batch(step: int, rank: int, world_size: int, batch_size: int = 2):
+    """Tokens and targets of one rank for one step; the same on every implementation."""
+    gen = torch.Generator().manual_seed(1000 + step * world_size + rank)
+    tokens = torch.randint(0, VOCAB, (batch_size, SEQ + 1), generator=gen)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def lm_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(inputs).reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def adam(params) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=1e-2)
+
+
+def sgd(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.5)
+
+
+def train(model: nn.Module, steps: int, world_size: int, rank: int, make_optim=adam) -> List[float]:
+    """``steps`` optimizer steps on this rank's batches; the per-step losses."""
+    optim = make_optim(model.parameters())
+    losses = []
+    for step in range(steps):
+        loss = lm_loss(model, *batch(step, rank, world_size))
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def train_single_process(model: nn.Module, steps: int, world_size: int, make_optim=adam) -> List[float]:
+    """Ground truth: one process over the concatenated global batch (mean of equal per-rank means)."""
+    optim = make_optim(model.parameters())
+    losses = []
+    for step in range(steps):
+        parts = [batch(step, r, world_size) for r in range(world_size)]
+        inputs = torch.cat([p[0] for p in parts])
+        targets = torch.cat([p[1] for p in parts])
+        loss = lm_loss(model, inputs, targets)
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def fsdp1_full_params(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """Every original parameter of an fsdp1 model, unsharded, by clean FQN (collective)."""
+    full = {}
+    for unit, path in unit_paths(model).items():
+        handle = unit._handle
+        if handle is None:
+            continue
+        source = handle._local_shard.detach()
+        if handle.is_sharded:
+            source = torch.empty(handle._padded_numel, dtype=source.dtype)
+            dist.all_gather_into_tensor(source, handle._local_shard.detach(), group=handle.group)
+        for fqn, view in zip(handle.fqns, handle._unflatten(source)):
+            full[f"{path}.{fqn}" if path else fqn] = view.clone()
+    return full
+
+
+def torch_fsdp_full_params(model: nn.Module) -> Dict[str, torch.Tensor]:
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    with TorchFSDP.summon_full_params(model):
+        return {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for n, p in model.named_parameters()}
+
+
+def plain_params(model: nn.Module) -> Dict[str, torch.Tensor]:
+    module = model.module if isinstance(model, DDP) else model
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def wrap_fsdp1(model: nn.Module, strategy: str, use_orig_params: bool, **kwargs) -> nn.Module:
+    return fsdp1.FullyShardedDataParallel(
+        model,
+        sharding_strategy=fsdp1.ShardingStrategy[strategy],
+        auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({Block}),
+        use_orig_params=use_orig_params,
+        **kwargs,
+    )
+
+
+def wrap_torch_fsdp(model: nn.Module, strategy: str, use_orig_params: bool) -> nn.Module:
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp import ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    return TorchFSDP(
+        model,
+        sharding_strategy=ShardingStrategy[strategy],
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        use_orig_params=use_orig_params,
+        device_id=torch.device("cpu"),
+    )
+
+
+def max_relative_error(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    worst = 0.0
+    for name in a:
+        assert a[name].shape == b[name].shape, name
+        scale = b[name].abs().max().item() or 1.0
+        worst = max(worst, (a[name] - b[name]).abs().max().item() / scale)
+    return worst
+
+
+def relative_errors(xs: List[float], ys: List[float]) -> float:
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(xs, ys))
+
+
+def build(copy_of: nn.Module, wrapper: Callable[[nn.Module], nn.Module]) -> nn.Module:
+    return wrapper(copy.deepcopy(copy_of))
+
+
