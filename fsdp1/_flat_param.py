@@ -335,7 +335,8 @@ class FlatParamHandle:
 
     def prepare_gradient_for_optim(self) -> None:
         """Hand the reduced gradient to the optimizer: as the flat parameter's ``.grad``, and with
-        use_orig_params as views on the original parameters (``None`` for frozen ones)."""
+        use_orig_params as views on the original parameters (``None`` for frozen ones and for those
+        with no element in this rank's shard, as torch's)."""
         if self._grad_is_unreduced:
             return
         self.flat_param.grad = self._reduced_grad
@@ -349,8 +350,8 @@ class FlatParamHandle:
                 slot.param.grad = None
             return
         self._orig_grad_views = [
-            view if slot.param.requires_grad else None
-            for slot, view in zip(self._slots, self._views_of_local_part(grad))
+            view if slot.param.requires_grad and info.in_shard else None
+            for slot, info, view in zip(self._slots, self._shard_infos, self._views_of_local_part(grad))
         ]
         for slot, view in zip(self._slots, self._orig_grad_views):
             slot.param.grad = view
