@@ -1,0 +1,81 @@
+"""Tests the drop-in surface: fsdp1 offers torch FSDP1's public names, constructor signature and
+config fields, accepts torch's own enum members, and never imports torch.distributed.fsdp."""
+
+import dataclasses
+import inspect
+import subprocess
+import sys
+from enum import Enum
+
+import pytest
+import torch.distributed.fsdp as torch_fsdp
+from torch.distributed.fsdp import wrap as torch_wrap
+
+import fsdp1
+from fsdp1.api import coerce_enum
+
+FSDP2_NAMES = {
+    "CPUOffloadPolicy", "DataParallelMeshDims", "FSDPModule", "fully_shard", "MixedPrecisionPolicy",
+    "OffloadPolicy", "register_fsdp_forward_method", "UnshardHandle", "share_comm_ctx",
+}
+
+
+def test_every_fsdp1_name_of_torch_is_exported():
+    expected = sorted(set(torch_fsdp.__all__) - FSDP2_NAMES)
+    assert sorted(fsdp1.__all__) == expected
+    assert hasattr(fsdp1, "FlatParameter")
+
+
+def _normalised_default(value):
+    return value.name if isinstance(value, Enum) else value
+
+
+def test_constructor_keeps_torch_names_order_and_defaults():
+    ours = inspect.signature(fsdp1.FullyShardedDataParallel.__init__).parameters
+    theirs = inspect.signature(torch_fsdp.FullyShardedDataParallel.__init__).parameters
+    assert list(ours) == list(theirs)
+    for name in theirs:
+        assert _normalised_default(ours[name].default) == _normalised_default(theirs[name].default), name
+
+
+@pytest.mark.parametrize("name", ["ShardingStrategy", "BackwardPrefetch", "StateDictType", "OptimStateKeyType"])
+def test_enums_have_torch_members_and_values(name):
+    ours, theirs = getattr(fsdp1, name), getattr(torch_fsdp, name)
+    assert [(m.name, m.value) for m in ours] == [(m.name, m.value) for m in theirs]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "MixedPrecision", "CPUOffload", "StateDictConfig", "FullStateDictConfig", "LocalStateDictConfig",
+        "ShardedStateDictConfig", "OptimStateDictConfig", "FullOptimStateDictConfig",
+        "LocalOptimStateDictConfig", "ShardedOptimStateDictConfig", "StateDictSettings",
+    ],
+)
+def test_config_dataclasses_have_torch_fields_and_defaults(name):
+    def fields(cls):
+        return [(f.name, f.default) for f in dataclasses.fields(cls)]
+
+    assert fields(getattr(fsdp1, name)) == fields(getattr(torch_fsdp, name))
+
+
+def test_torch_enum_members_are_accepted_wherever_ours_are():
+    assert coerce_enum(torch_fsdp.ShardingStrategy.SHARD_GRAD_OP, fsdp1.ShardingStrategy, "s") is fsdp1.ShardingStrategy.SHARD_GRAD_OP
+    assert coerce_enum(fsdp1.BackwardPrefetch.BACKWARD_POST, fsdp1.BackwardPrefetch, "b") is fsdp1.BackwardPrefetch.BACKWARD_POST
+    with pytest.raises(ValueError, match="sharding_strategy=.*is not one of ShardingStrategy.FULL_SHARD"):
+        coerce_enum(torch_fsdp.BackwardPrefetch.BACKWARD_PRE, fsdp1.ShardingStrategy, "sharding_strategy")
+
+
+def test_module_wrap_policy_matches_torch_in_both_call_forms():
+    from torch import nn
+
+    ours, theirs = fsdp1.wrap.ModuleWrapPolicy({nn.Linear}), torch_wrap.ModuleWrapPolicy({nn.Linear})
+    for module in (nn.Linear(2, 2), nn.ReLU()):
+        for recurse in (True, False):
+            assert ours(module, recurse, 0) == theirs(module, recurse, 0)
+    assert repr(ours).endswith("({<class 'torch.nn.modules.linear.Linear'>})")
+
+
+def test_library_never_imports_torch_fsdp():
+    code = "import sys, fsdp1; print(sorted(m for m in sys.modules if m.startswith('torch.distributed.fsdp')))"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"
