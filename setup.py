@@ -1,0 +1,20 @@
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+setup(
+    name="fsdp1",
+    version="0.1.0",
+    description="A standalone re-implementation of PyTorch's classic FullyShardedDataParallel (FSDP1)",
+    long_description=Path(__file__).with_name("README.md").read_text(),
+    long_description_content_type="text/markdown",
+    license="BSD-3-Clause",
+    packages=find_packages(include=["fsdp1", "fsdp1.*"]),
+    python_requires=">=3.10",
+    install_requires=["torch>=2.4"],
+    extras_require={
+        # numpy: torch's all_gather_object needs it in CPU builds (used by cross-rank checks in tests).
+        "test": ["pytest>=7", "expecttest>=0.2", "numpy"],
+        "examples": ["tqdm", "matplotlib"],
+    },
+)
