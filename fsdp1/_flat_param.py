@@ -143,7 +143,6 @@ class FlatParamHandle:
         self.flat_param = FlatParameter(self._local_shard, requires_grad=requires_grad)
         self._set_flat_param_metadata(chunk)
         self._unsharded_buffer = unsharded
-        self._sharded_param_views = self._views_of_local_part(self._local_shard)
         self._install_initial_views()
         self.state = HandleState.UNSHARDED
         if is_sharded:
@@ -195,7 +194,7 @@ class FlatParamHandle:
         Parameters leave the module and plain views of the unsharded buffer take their names."""
         if self.use_orig_params:
             with torch.no_grad():
-                for slot, view in zip(self._slots, self._sharded_param_views):
+                for slot, view in zip(self._slots, self._views_of_local_part(self._local_shard)):
                     slot.param.data = view
             return
         views = self._unflatten(self._unsharded_buffer.detach())

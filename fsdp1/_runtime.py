@@ -18,7 +18,7 @@ from torch.autograd import Variable
 from torch.autograd.profiler import record_function
 
 from ._device import move_to_device
-from ._flat_param import GradReduction, HandleTrainingState
+from ._flat_param import FlatParamHandle, GradReduction, HandleTrainingState
 from ._traversal import fsdp_units, iter_tensors, unit_paths
 from .api import ShardingStrategy
 
@@ -96,12 +96,9 @@ def pre_forward(unit: "Unit", args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> 
             if unit.compute_device.type != "cpu":
                 args, kwargs = move_to_device((args, kwargs), unit.compute_device)
         unit.training_state = TrainingState.FORWARD_BACKWARD
-        handle = unit._handle
-        if handle is not None:
-            handle.training_state = HandleTrainingState.FORWARD
-            handle.unshard()
-            handle.wait_unshard()
-            handle.use_unsharded_views()
+        if unit._handle is not None:
+            _gather(unit._handle, HandleTrainingState.FORWARD)
+            unit._handle.use_unsharded_views()
         return args, kwargs
 
 
@@ -129,11 +126,15 @@ def _pre_backward(unit: "Unit", grad: torch.Tensor) -> None:
             return
         unit._ran_pre_backward = True
         unit.training_state = TrainingState.FORWARD_BACKWARD
-        handle = unit._handle
-        if handle is not None:
-            handle.training_state = HandleTrainingState.BACKWARD_PRE
-            handle.unshard()
-            handle.wait_unshard()
+        if unit._handle is not None:
+            _gather(unit._handle, HandleTrainingState.BACKWARD_PRE)
+
+
+def _gather(handle: FlatParamHandle, training_state: HandleTrainingState) -> None:
+    """Enter ``training_state`` with the unit's parameters unsharded."""
+    handle.training_state = training_state
+    handle.unshard()
+    handle.wait_unshard()
 
 
 def _post_backward(unit: "Unit", flat_param: torch.Tensor) -> None:
