@@ -14,7 +14,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsdp1
 from _harness import run_on_ranks
-from _models import fsdp1_full_params, max_relative_error, plain_params, torch_fsdp_full_params
+from _models import (
+    batch,
+    fsdp1_full_params,
+    lm_loss,
+    make_gpt,
+    max_relative_error,
+    plain_params,
+    torch_fsdp_full_params,
+    wrap_fsdp1,
+)
 
 STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
 
@@ -329,3 +338,30 @@ def test_no_sync_accumulates_like_ddp(strategy, use_orig_params):
         assert error <= 1e-5
         # Linear(5, 7): 35 + 7 elements; use_orig_params aligns the bias to 36 and pads 43 to 44.
         assert unreduced_numel == (44 if use_orig_params else 42)
+
+
+# ---------------------------------------------------------------------------------------------- eval between steps
+def _eval_between_steps(strategy, use_orig_params):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    base = make_gpt()
+    ours, ddp = wrap_fsdp1(copy.deepcopy(base), strategy, use_orig_params), DDP(copy.deepcopy(base))
+    eval_losses = []
+    for model in (ours, ddp):
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+        losses = []
+        for step in range(3):
+            lm_loss(model, *batch(step, rank, world_size)).backward()
+            optim.step()
+            optim.zero_grad()
+            with torch.no_grad():  # no backward follows: the root stays unsharded, as torch's
+                losses.append(lm_loss(model, *batch(99, rank, world_size)).item())
+        eval_losses.append(losses)
+    return eval_losses, max_relative_error(fsdp1_full_params(ours), plain_params(ddp))
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_no_grad_forward_between_training_steps(strategy, use_orig_params):
+    for (ours, oracle), error in run_on_ranks(2, _eval_between_steps, strategy, use_orig_params):
+        assert ours == oracle
+        assert error == 0.0
