@@ -37,7 +37,7 @@ def reject_unsupported(**arguments: Any) -> None:
                     "fsdp1: cpu_offload=CPUOffload(offload_params=True) is not supported yet; "
                     "remove the argument to keep parameters on the compute device."
                 )
-        elif value is not defaults[name] and value != defaults[name]:
+        elif value:  # None, False and empty iterables all mean "not used", as in torch
             raise NotImplementedError(
                 f"fsdp1: {name}= is not supported yet; remove the argument (its default is {defaults[name]!r})."
             )
