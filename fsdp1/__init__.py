@@ -3,7 +3,7 @@
 ``import fsdp1 as fsdp`` offers the FSDP1 names of ``torch.distributed.fsdp``.
 """
 
-from ._flat_param import FlatParameter
+from ._flat_param import FlatParameter  # noqa: F401 - importable, not in __all__, as in torch
 from .api import (
     BackwardPrefetch,
     CPUOffload,
