@@ -20,9 +20,11 @@ import copy
 import json
 import os
 import statistics
+import sys
 import time
 from collections import defaultdict
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -33,33 +35,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp1
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from train_gpt import GPT, Block  # noqa: E402 - the example's model, so both measure the same code
+
 VOCAB, SEQ, D_MODEL, LAYERS, HEADS, BATCH = 4096, 128, 256, 4, 4, 2
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(D_MODEL), nn.LayerNorm(D_MODEL)
-        self.qkv = nn.Linear(D_MODEL, 3 * D_MODEL, bias=False)
-        self.proj = nn.Linear(D_MODEL, D_MODEL)
-        self.fc, self.out = nn.Linear(D_MODEL, 4 * D_MODEL), nn.Linear(4 * D_MODEL, D_MODEL)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = (z.view(b, t, HEADS, d // HEADS).transpose(1, 2) for z in self.qkv(self.ln1(x)).split(d, 2))
-        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(VOCAB, D_MODEL), nn.Embedding(SEQ, D_MODEL)
-        self.blocks = nn.Sequential(*[Block() for _ in range(LAYERS)])
-        self.ln_f, self.head = nn.LayerNorm(D_MODEL), nn.Linear(D_MODEL, VOCAB, bias=False)
-
-    def forward(self, idx):
-        return self.head(self.ln_f(self.blocks(self.tok(idx) + self.pos(torch.arange(idx.shape[1])))))
+def make_model() -> nn.Module:
+    """The GPT of examples/train_gpt.py, at the benchmark's size."""
+    return GPT(VOCAB, SEQ, D_MODEL, LAYERS, HEADS)
 
 
 def _ours(strategy, use_orig_params, model):
@@ -149,7 +133,7 @@ def _run(rank, world_size, port, rounds, steps_per_round, result_path):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     torch.manual_seed(0)
-    base = GPT()
+    base = make_model()
     num_params = sum(p.numel() for p in base.parameters())
     gen = torch.Generator().manual_seed(rank)
     data = [torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen) for _ in range(4)]
