@@ -76,33 +76,32 @@ def sgd(params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.5)
 
 
-def train(model: nn.Module, steps: int, world_size: int, rank: int, make_optim=adam) -> List[float]:
-    """``steps`` optimizer steps on this rank's batches; the per-step losses."""
+def _optimize(model: nn.Module, steps: int, make_optim, batch_of_step) -> List[float]:
     optim = make_optim(model.parameters())
     losses = []
     for step in range(steps):
-        loss = lm_loss(model, *batch(step, rank, world_size))
+        loss = lm_loss(model, *batch_of_step(step))
         loss.backward()
         optim.step()
         optim.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def train(model: nn.Module, steps: int, world_size: int, rank: int, make_optim=adam) -> List[float]:
+    """``steps`` optimizer steps on this rank's batches; the per-step losses."""
+    return _optimize(model, steps, make_optim, lambda step: batch(step, rank, world_size))
+
+
+def global_batch(step: int, world_size: int):
+    """Every rank's batch of ``step`` concatenated: what one process sees in place of all ranks."""
+    parts = [batch(step, rank, world_size) for rank in range(world_size)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
 def train_single_process(model: nn.Module, steps: int, world_size: int, make_optim=adam) -> List[float]:
-    """Ground truth: one process over the concatenated global batch (mean of equal per-rank means)."""
-    optim = make_optim(model.parameters())
-    losses = []
-    for step in range(steps):
-        parts = [batch(step, r, world_size) for r in range(world_size)]
-        inputs = torch.cat([p[0] for p in parts])
-        targets = torch.cat([p[1] for p in parts])
-        loss = lm_loss(model, inputs, targets)
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        losses.append(loss.item())
-    return losses
+    """Ground truth: one process over the global batch (the loss is the mean of equal per-rank means)."""
+    return _optimize(model, steps, make_optim, lambda step: global_batch(step, world_size))
 
 
 def fsdp1_full_params(model: nn.Module) -> Dict[str, torch.Tensor]:
@@ -133,17 +132,18 @@ def plain_params(model: nn.Module) -> Dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in module.named_parameters()}
 
 
-def wrap_fsdp1(model: nn.Module, strategy: str, use_orig_params: bool, **kwargs) -> nn.Module:
+def wrap_fsdp1(model: nn.Module, strategy: str = "FULL_SHARD", use_orig_params: bool = False, wrap_classes=(Block,)) -> nn.Module:
+    """fsdp1 with one unit per instance of ``wrap_classes`` (none if empty) plus the root."""
     return fsdp1.FullyShardedDataParallel(
         model,
         sharding_strategy=fsdp1.ShardingStrategy[strategy],
-        auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({Block}),
+        auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy(set(wrap_classes)) if wrap_classes else None,
         use_orig_params=use_orig_params,
-        **kwargs,
     )
 
 
-def wrap_torch_fsdp(model: nn.Module, strategy: str, use_orig_params: bool) -> nn.Module:
+def wrap_torch_fsdp(model: nn.Module, strategy: str = "FULL_SHARD", use_orig_params: bool = False, wrap_classes=(Block,)) -> nn.Module:
+    """torch's FSDP1, wrapped exactly as ``wrap_fsdp1`` wraps, on CPU."""
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
     from torch.distributed.fsdp import ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -151,7 +151,7 @@ def wrap_torch_fsdp(model: nn.Module, strategy: str, use_orig_params: bool) -> n
     return TorchFSDP(
         model,
         sharding_strategy=ShardingStrategy[strategy],
-        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        auto_wrap_policy=ModuleWrapPolicy(set(wrap_classes)) if wrap_classes else None,
         use_orig_params=use_orig_params,
         device_id=torch.device("cpu"),
     )

@@ -23,6 +23,7 @@ from _models import (
     plain_params,
     torch_fsdp_full_params,
     wrap_fsdp1,
+    wrap_torch_fsdp,
 )
 
 STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
@@ -55,24 +56,6 @@ def _randn(*shape):
     return make
 
 
-def _fsdp1(model, strategy="FULL_SHARD", use_orig_params=False, **kwargs):
-    return fsdp1.FullyShardedDataParallel(
-        model, sharding_strategy=fsdp1.ShardingStrategy[strategy], use_orig_params=use_orig_params, **kwargs
-    )
-
-
-def _torch_fsdp(model, strategy="FULL_SHARD", use_orig_params=False, **kwargs):
-    from torch.distributed.fsdp import ShardingStrategy
-
-    return TorchFSDP(
-        model,
-        sharding_strategy=ShardingStrategy[strategy],
-        use_orig_params=use_orig_params,
-        device_id=torch.device("cpu"),
-        **kwargs,
-    )
-
-
 def _assert_losses_equal(losses):
     for ours, oracle in losses:
         assert abs(ours - oracle) <= 1e-5 * max(abs(oracle), 1e-6), losses
@@ -82,13 +65,8 @@ def _assert_losses_equal(losses):
 def _uneven(use_orig_params):
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 1))  # 20 + 6 = 26 elements
-    policy = fsdp1.wrap.ModuleWrapPolicy({nn.Linear})
-    ours = _fsdp1(copy.deepcopy(base), use_orig_params=use_orig_params, auto_wrap_policy=policy)
-    theirs = _torch_fsdp(
-        copy.deepcopy(base),
-        use_orig_params=use_orig_params,
-        auto_wrap_policy=torch.distributed.fsdp.wrap.ModuleWrapPolicy({nn.Linear}),
-    )
+    ours = wrap_fsdp1(copy.deepcopy(base), use_orig_params=use_orig_params, wrap_classes=[nn.Linear])
+    theirs = wrap_torch_fsdp(copy.deepcopy(base), use_orig_params=use_orig_params, wrap_classes=[nn.Linear])
     same_layout = [
         torch.equal(a._flat_param.detach(), b._flat_param.detach())
         for a, b in zip(fsdp1.FullyShardedDataParallel.fsdp_modules(ours), TorchFSDP.fsdp_modules(theirs))
@@ -131,10 +109,8 @@ class WithUnused(nn.Module):
 def _unused(strategy, use_orig_params):
     torch.manual_seed(0)
     base = WithUnused()
-    ours = _fsdp1(copy.deepcopy(base), strategy, use_orig_params, auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({nn.Linear}))
-    theirs = _torch_fsdp(
-        copy.deepcopy(base), strategy, use_orig_params, auto_wrap_policy=torch.distributed.fsdp.wrap.ModuleWrapPolicy({nn.Linear})
-    )
+    ours = wrap_fsdp1(copy.deepcopy(base), strategy, use_orig_params, wrap_classes=[nn.Linear])
+    theirs = wrap_torch_fsdp(copy.deepcopy(base), strategy, use_orig_params, wrap_classes=[nn.Linear])
     ddp = DDP(copy.deepcopy(base), find_unused_parameters=True)
     losses = _step_pair(ours, ddp, _randn(2, 4))
     _step_pair(theirs, DDP(copy.deepcopy(base), find_unused_parameters=True), _randn(2, 4))
@@ -169,7 +145,7 @@ def _frozen(strategy):
     base[0].weight.requires_grad_(False)
     base[2].bias.requires_grad_(False)
     frozen_before = {n: p.detach().clone() for n, p in base.named_parameters() if not p.requires_grad}
-    ours = _fsdp1(copy.deepcopy(base), strategy, use_orig_params=True)
+    ours = wrap_fsdp1(copy.deepcopy(base), strategy, use_orig_params=True, wrap_classes=())
     ddp = DDP(copy.deepcopy(base))
     losses = _step_pair(ours, ddp, _randn(3, 5))
     params = fsdp1_full_params(ours)
@@ -205,7 +181,7 @@ class CallsTwice(nn.Module):
 def _twice(strategy, use_orig_params):
     torch.manual_seed(0)
     base = CallsTwice()
-    ours = _fsdp1(copy.deepcopy(base), strategy, use_orig_params, auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({nn.Linear}))
+    ours = wrap_fsdp1(copy.deepcopy(base), strategy, use_orig_params, wrap_classes=[nn.Linear])
     ddp = DDP(copy.deepcopy(base))
     losses = _step_pair(ours, ddp, _randn(3, 6))
     return losses, max_relative_error(fsdp1_full_params(ours), plain_params(ddp))
@@ -234,8 +210,8 @@ class WithBuffers(nn.Module):
 def _buffers(strategy):
     torch.manual_seed(0)
     base = WithBuffers()
-    ours = _fsdp1(copy.deepcopy(base), strategy, auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({nn.BatchNorm1d}))
-    theirs = _torch_fsdp(copy.deepcopy(base), strategy, auto_wrap_policy=torch.distributed.fsdp.wrap.ModuleWrapPolicy({nn.BatchNorm1d}))
+    ours = wrap_fsdp1(copy.deepcopy(base), strategy, wrap_classes=[nn.BatchNorm1d])
+    theirs = wrap_torch_fsdp(copy.deepcopy(base), strategy, wrap_classes=[nn.BatchNorm1d])
     losses = _step_pair(ours, theirs, _randn(5, 4))
     ours_buffers = {n.replace("_fsdp_wrapped_module.", ""): b for n, b in ours.named_buffers()}
     theirs_buffers = {n.replace("_fsdp_wrapped_module.", ""): b for n, b in theirs.named_buffers()}
@@ -299,7 +275,7 @@ class ConsumesStructure(nn.Module):
 def _structured(kind, strategy):
     torch.manual_seed(0)
     base = ConsumesStructure(kind)
-    ours = _fsdp1(copy.deepcopy(base), strategy, auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({ReturnsStructure}))
+    ours = wrap_fsdp1(copy.deepcopy(base), strategy, wrap_classes=[ReturnsStructure])
     ddp = DDP(copy.deepcopy(base))
     losses = _step_pair(ours, ddp, _randn(3, 4))
     return losses, max_relative_error(fsdp1_full_params(ours), plain_params(ddp))
@@ -318,7 +294,7 @@ def test_outputs_that_are_tuples_dicts_or_dataclasses(kind, strategy):
 def _no_sync(strategy, use_orig_params):
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
-    ours = _fsdp1(copy.deepcopy(base), strategy, use_orig_params, auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({nn.Linear}))
+    ours = wrap_fsdp1(copy.deepcopy(base), strategy, use_orig_params, wrap_classes=[nn.Linear])
     ddp = DDP(copy.deepcopy(base))
     losses = _step_pair(ours, ddp, _randn(2, 5), no_sync_microbatches=2)
     # Inside no_sync the first unit's gradient is kept unsharded and unreduced, as torch's.
