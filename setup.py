@@ -13,7 +13,7 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.4"],
     extras_require={
-        # numpy: torch's all_gather_object needs it in CPU builds (used by cross-rank checks in tests).
+        # numpy: torch's object collectives import it in CPU builds (DESIGN.md §6.5).
         "test": ["pytest>=7", "expecttest>=0.2", "numpy"],
         "examples": ["tqdm", "matplotlib"],
     },

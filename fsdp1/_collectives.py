@@ -6,8 +6,6 @@ a ``Work`` also orders the current CUDA stream after the collective, which is wh
 streams of its own (see DESIGN.md §4). Version shims live here too.
 """
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 
@@ -35,10 +33,6 @@ def group_size(group: ProcessGroup) -> int:
     return dist.get_world_size(group)
 
 
-def global_rank() -> int:
-    return dist.get_rank() if is_initialized() else 0
-
-
 def all_gather_into(output: torch.Tensor, local_shard: torch.Tensor, group: ProcessGroup) -> Work:
     """Gather equal shards into one flat ``output`` (rank r's shard lands at ``r * shard.numel()``)."""
     return _all_gather_single(output, local_shard, group=group, async_op=True)
@@ -52,10 +46,3 @@ def reduce_scatter_into(output: torch.Tensor, unsharded: torch.Tensor, group: Pr
 def all_reduce(tensor: torch.Tensor, group: ProcessGroup) -> Work:
     """Sum ``tensor`` over the ranks in place."""
     return dist.all_reduce(tensor, group=group, async_op=True)
-
-
-def all_gather_objects(obj: object, group: Optional[ProcessGroup]) -> list:
-    """Every rank's ``obj`` (for cross-rank checks that name the rank that differs)."""
-    gathered: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, obj, group=group)
-    return gathered

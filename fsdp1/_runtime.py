@@ -45,7 +45,6 @@ class RootState:
     MAX_REDUCTIONS_IN_FLIGHT = 2
 
     def __init__(self, root: "Unit") -> None:
-        self.root = root
         self.units: List["Unit"] = fsdp_units(root)
         self.unit_paths: Dict["Unit", str] = unit_paths(root)
         self.is_final_callback_queued = False
