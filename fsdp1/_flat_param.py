@@ -234,7 +234,10 @@ class FlatParamHandle:
         self._install(self._unflatten(self.flat_param), as_parameters=self.use_orig_params)
 
     def reshard(self) -> None:
-        """Point everything back at the local shard and free the unsharded storage."""
+        """Point everything back at the local shard and free the unsharded storage (no-op when sharded:
+        the end-of-backward catch-all calls it for every unit)."""
+        if self.state is HandleState.SHARDED:
+            return
         if self.use_orig_params:
             for slot in self._all_slots():
                 slot.module._parameters[slot.attr] = slot.param
