@@ -235,9 +235,13 @@ class FlatParamHandle:
 
     def reshard(self) -> None:
         """Point everything back at the local shard and free the unsharded storage (no-op when sharded:
-        the end-of-backward catch-all calls it for every unit)."""
+        the end-of-backward catch-all calls it for every unit). A prefetched all-gather that nobody
+        waited for is finished first, so the collective never writes into freed storage."""
         if self.state is HandleState.SHARDED:
             return
+        if self.state is HandleState.UNSHARDING:
+            self._gather_work.wait()
+            self._gather_work = None
         if self.use_orig_params:
             for slot in self._all_slots():
                 slot.module._parameters[slot.attr] = slot.param

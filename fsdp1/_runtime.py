@@ -6,12 +6,17 @@ IDLE -> FORWARD_BACKWARD (pre-forward) -> IDLE (post-forward) -> FORWARD_BACKWAR
 gradient) -> IDLE (root's final callback). The final callback is the one place that waits for every
 outstanding reduction, so after ``loss.backward()`` every ``.grad`` is in place and every unit is
 resharded as its strategy asks.
+
+Prefetching starts a unit's all-gather one unit early, without waiting, so that it runs on the
+backend's threads (gloo) or stream (NCCL) while the current unit computes. ``ExecutionOrder`` says
+which unit is next: backward runs units in the reverse of the order their forwards finished, and
+forward (with ``forward_prefetch``) repeats the first iteration's order.
 """
 
 from collections import deque
 from enum import Enum, auto
 from functools import partial
-from typing import TYPE_CHECKING, Any, Deque, Dict, List, Tuple
+from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Tuple
 
 import torch
 from torch.autograd import Variable
@@ -20,7 +25,7 @@ from torch.autograd.profiler import record_function
 from ._device import move_to_device
 from ._flat_param import FlatParamHandle, GradReduction, HandleTrainingState
 from ._traversal import fsdp_units, iter_tensors, unit_paths
-from .api import ShardingStrategy
+from .api import BackwardPrefetch, ShardingStrategy
 
 if TYPE_CHECKING:
     from .fully_sharded_data_parallel import FullyShardedDataParallel as Unit
@@ -32,6 +37,50 @@ class TrainingState(Enum):
     IDLE = auto()
     FORWARD_BACKWARD = auto()
     SUMMON_FULL_PARAMS = auto()
+
+
+class ExecutionOrder:
+    """The order units ran forward, from which the next unit to prefetch is read.
+
+    The post-forward order is recorded afresh every forward, so backward prefetching follows the graph
+    that actually ran. The pre-forward order is fixed by the first iteration that runs a backward, as
+    forward prefetching has to guess the next unit before it runs (torch makes the same assumption of a
+    static graph).
+    """
+
+    def __init__(self) -> None:
+        self._post_forward: List["Unit"] = []
+        self._post_forward_index: Dict["Unit", int] = {}
+        self._pre_forward: List["Unit"] = []
+        self._pre_forward_index: Dict["Unit", int] = {}
+        self._pre_forward_is_fixed = False
+
+    def start_forward(self) -> None:
+        self._post_forward.clear()
+        self._post_forward_index.clear()
+
+    def record_pre_forward(self, unit: "Unit") -> None:
+        if not self._pre_forward_is_fixed and unit not in self._pre_forward_index:
+            self._pre_forward_index[unit] = len(self._pre_forward)
+            self._pre_forward.append(unit)
+
+    def record_post_forward(self, unit: "Unit") -> None:
+        if unit not in self._post_forward_index:
+            self._post_forward_index[unit] = len(self._post_forward)
+            self._post_forward.append(unit)
+
+    def fix_pre_forward(self) -> None:
+        self._pre_forward_is_fixed = True
+
+    def next_in_backward(self, unit: "Unit") -> Optional["Unit"]:
+        index = self._post_forward_index.get(unit)
+        return self._post_forward[index - 1] if index else None
+
+    def next_in_forward(self, unit: "Unit") -> Optional["Unit"]:
+        index = self._pre_forward_index.get(unit)
+        if index is None or index + 1 >= len(self._pre_forward):
+            return None
+        return self._pre_forward[index + 1]
 
 
 class RootState:
@@ -48,6 +97,7 @@ class RootState:
         self.units: List["Unit"] = fsdp_units(root)
         self.unit_paths: Dict["Unit", str] = unit_paths(root)
         self.is_final_callback_queued = False
+        self.order = ExecutionOrder()
         self._reductions: Deque[GradReduction] = deque()
 
     def queue_final_callback(self) -> None:
@@ -87,16 +137,21 @@ def register_post_backward_hook(unit: "Unit") -> None:
 def pre_forward(unit: "Unit", args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
     with record_function("FSDP::pre_forward"):
         lazy_init(unit)
+        state = unit._root_state
         if unit._is_root:
-            _assert_idle(unit._root_state, "forward")
-            for member in unit._root_state.units:
+            _assert_idle(state, "forward")
+            state.order.start_forward()
+            for member in state.units:
                 if member._handle is not None:
                     member._handle.prepare_gradient_for_backward()
             if unit.compute_device.type != "cpu":
                 args, kwargs = move_to_device((args, kwargs), unit.compute_device)
         unit.training_state = TrainingState.FORWARD_BACKWARD
         if unit._handle is not None:
+            state.order.record_pre_forward(unit)
             _gather(unit._handle, HandleTrainingState.FORWARD)
+            if unit.forward_prefetch:
+                _prefetch(state.order.next_in_forward(unit))
             unit._handle.use_unsharded_views()
         return args, kwargs
 
@@ -105,6 +160,7 @@ def post_forward(unit: "Unit", output: Any) -> Any:
     with record_function("FSDP::post_forward"):
         handle = unit._handle
         if handle is not None:
+            unit._root_state.order.record_post_forward(unit)
             if unit.sharding_strategy is ShardingStrategy.FULL_SHARD and not unit._is_root:
                 handle.reshard()
             handle.training_state = HandleTrainingState.IDLE
@@ -113,6 +169,7 @@ def post_forward(unit: "Unit", output: Any) -> Any:
             for tensor in iter_tensors(output):
                 if tensor.requires_grad:
                     tensor.register_hook(hook)
+                    unit._awaits_pre_backward = True
         unit.training_state = TrainingState.IDLE
         return output
 
@@ -120,13 +177,16 @@ def post_forward(unit: "Unit", output: Any) -> Any:
 def _pre_backward(unit: "Unit", grad: torch.Tensor) -> None:
     """First gradient reaching one of the unit's outputs: gather its parameters for backward."""
     with record_function("FSDP::pre_backward"):
-        unit._root_state.queue_final_callback()
-        if unit._ran_pre_backward:
+        state = unit._root_state
+        state.queue_final_callback()
+        if not unit._awaits_pre_backward:
             return
-        unit._ran_pre_backward = True
+        unit._awaits_pre_backward = False
         unit.training_state = TrainingState.FORWARD_BACKWARD
         if unit._handle is not None:
             _gather(unit._handle, HandleTrainingState.BACKWARD_PRE)
+            if unit.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+                _prefetch_for_backward(state.order.next_in_backward(unit))
 
 
 def _gather(handle: FlatParamHandle, training_state: HandleTrainingState) -> None:
@@ -134,6 +194,18 @@ def _gather(handle: FlatParamHandle, training_state: HandleTrainingState) -> Non
     handle.training_state = training_state
     handle.unshard()
     handle.wait_unshard()
+
+
+def _prefetch(unit: Optional["Unit"]) -> None:
+    """Start ``unit``'s all-gather without waiting; its own pre-forward or pre-backward waits."""
+    if unit is not None and unit._handle is not None:
+        unit._handle.unshard()
+
+
+def _prefetch_for_backward(unit: Optional["Unit"]) -> None:
+    """Prefetch only a unit whose backward is still to come, so that none is gathered twice."""
+    if unit is not None and unit._awaits_pre_backward:
+        _prefetch(unit)
 
 
 def _post_backward(unit: "Unit", flat_param: torch.Tensor) -> None:
@@ -155,6 +227,8 @@ def _post_backward(unit: "Unit", flat_param: torch.Tensor) -> None:
             handle.keep_grad_unreduced()
         if _reshards_after_backward(unit):
             handle.reshard()
+        if unit.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+            _prefetch_for_backward(state.order.next_in_backward(unit))
 
 
 def _reshards_after_backward(unit: "Unit") -> bool:
@@ -175,7 +249,8 @@ def _finalize_backward(state: RootState) -> None:
                 handle.prepare_gradient_for_optim()
                 handle.training_state = HandleTrainingState.IDLE
             unit.training_state = TrainingState.IDLE
-            unit._ran_pre_backward = False
+            unit._awaits_pre_backward = False
+        state.order.fix_pre_forward()
         state.is_final_callback_queued = False
 
 

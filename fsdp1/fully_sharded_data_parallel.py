@@ -126,7 +126,7 @@ class FullyShardedDataParallel(nn.Module):
         self._is_root: Optional[bool] = None
         self._root_state: Optional[_runtime.RootState] = None
         self._sync_gradients = True
-        self._ran_pre_backward = False
+        self._awaits_pre_backward = False  # an output of this forward will call _pre_backward
         _runtime.register_post_backward_hook(self)
 
     # ------------------------------------------------------------------------------ module protocol
