@@ -12,6 +12,7 @@ invariants:
   the same storage, so views saved by autograd in forward are valid again in backward.
 """
 
+import dataclasses
 import weakref
 from dataclasses import dataclass
 from enum import Enum, auto
@@ -64,12 +65,16 @@ class FlatParameter(nn.Parameter, metaclass=_FlatParameterMeta):
 
 @dataclass(frozen=True)
 class ParamSlot:
-    """One place a parameter is registered: ``module.<attr>``, reached as ``fqn`` from the unit."""
+    """One place a parameter is registered: ``module.<attr>``, reached as ``fqn`` from the unit.
+
+    ``param`` is the original Parameter. Without use_orig_params the handle drops it once flattened
+    (``param`` becomes None), so that its full-size storage is freed.
+    """
 
     fqn: str
     module: nn.Module
     attr: str
-    param: nn.Parameter
+    param: Optional[nn.Parameter]
 
 
 class HandleState(Enum):
@@ -200,6 +205,8 @@ class FlatParamHandle:
         views = self._unflatten(self._unsharded_buffer.detach())
         for slot in self._all_slots():
             del slot.module._parameters[slot.attr]
+        self._slots = tuple(dataclasses.replace(slot, param=None) for slot in self._slots)
+        self._shared_slots = tuple((dataclasses.replace(slot, param=None), i) for slot, i in self._shared_slots)
         self._install(views, as_parameters=False)
 
     # ----------------------------------------------------------------------------- queries

@@ -4,6 +4,8 @@ structured outputs and no_sync."""
 
 import copy
 import dataclasses
+import gc
+import weakref
 
 import pytest
 import torch
@@ -165,6 +167,28 @@ def test_frozen_params_next_to_trainable_ones_with_use_orig_params(strategy):
         assert error <= 1e-5
         assert unchanged == {"0.weight": True, "2.bias": True}
         assert grad_is_none == {"_fsdp_wrapped_module.0.weight": True, "_fsdp_wrapped_module.2.bias": True}
+
+
+# ---------------------------------------------------------------------------------------------- original storage
+def _original_storage_alive(strategy, use_orig_params):
+    """Bytes of the original parameters' storages still alive after wrapping, for fsdp1 and torch."""
+    alive = []
+    for wrap in (wrap_fsdp1, wrap_torch_fsdp):
+        model = make_gpt()
+        storages = [weakref.ref(p.untyped_storage()) for p in model.parameters()]
+        wrapped = wrap(model, strategy, use_orig_params)
+        gc.collect()
+        alive.append(sum(ref().nbytes() for ref in storages if ref() is not None))
+        del wrapped
+    return alive
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_wrapping_frees_the_original_parameter_storage(strategy, use_orig_params):
+    # A rank keeps only its shard: nothing of the unflattened parameters survives, as with torch.
+    for ours, theirs in run_on_ranks(2, _original_storage_alive, strategy, use_orig_params):
+        assert ours == theirs == 0
 
 
 # ---------------------------------------------------------------------------------------------- a unit called twice
