@@ -1,18 +1,24 @@
 """Side-by-side benchmark: fsdp1 against torch's FSDP1, torch's FSDP2 and DDP on one GPT model.
 
-    python tools/benchmark.py                  # 2 gloo ranks on CPU, about a minute
-    python tools/benchmark.py --json out.json
+    python tools/benchmark.py                     # 2 gloo ranks on CPU, about a minute and a half
+    python tools/benchmark.py --variants local fsdp1_full torch_fsdp1_full --rounds 8
+    python tools/benchmark.py --device cuda       # NCCL, one rank per GPU
 
-Every variant is built in the same two processes and timed in interleaved rounds (the order rotates
-each round, a barrier precedes each step), against a ``local`` variant (no wrapper, no collectives,
-run on both ranks at once: the compute floor) and a second ``local`` as the A/A noise control.
-Reported per variant: median wall and CPU ms per step (max over ranks), the per-round paired ratio
-to torch's FSDP1 as median [min, max], bytes all-gathered / reduce-scattered / all-reduced per
-rank and step (counted by a dispatch mode on c10d ops, in a separate step), and the bytes of
-parameters + gradients + optimizer state that the optimizer can see, per rank after a step and
-``zero_grad(set_to_none=True)`` (so 12 bytes per sharded parameter with AdamW). Storage hidden
-from the optimizer (e.g. torch's flat gradient kept under use_orig_params) is not in that column;
-peak memory needs a live-storage tracker, which is not built yet.
+Every variant is built in the same processes and timed in interleaved rounds (the order rotates
+each round, a barrier precedes each step), next to ``local`` (the model alone, no collectives, run
+on every rank at once: the compute floor) and ``local_aa`` (the same again: the A/A noise control).
+Per variant it reports:
+
+* median wall and CPU ms per step (max over ranks) and the per-round paired ratio to its anchor
+  (torch's FSDP1 with the same strategy) as median [min, max]; a difference smaller than the A/A
+  spread is noise;
+* bytes all-gathered, reduce-scattered and all-reduced per rank and step, counted by a dispatch mode
+  on the c10d operators in a separate step, against the minimum for the strategy;
+* peak memory per rank over two training steps, counted by ``LiveStorageTracker`` from the model's
+  construction on, and beside it the dry-run prediction of ``memory_estimator``;
+* parameters + gradients + optimizer state per rank after the optimizer step, against (P+G+O)/N.
+
+Output: a table on the terminal, a JSON file, and a PNG plot next to it when matplotlib is installed.
 """
 
 import argparse
@@ -20,81 +26,30 @@ import copy
 import json
 import os
 import statistics
-import sys
 import time
 from collections import defaultdict
-from functools import partial
-from pathlib import Path
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch import nn
-from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import fsdp1
+from live_memory import LiveStorageTracker
+from memory_estimator import ESTIMATED, estimate, fake_process_group
+from workload import ANCHOR, VARIANTS, GPTSize, make_optimizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from train_gpt import GPT, Block  # noqa: E402 - the example's model, so both measure the same code
-
-VOCAB, SEQ, D_MODEL, LAYERS, HEADS, BATCH = 4096, 128, 256, 4, 4, 2
-
-
-def make_model() -> nn.Module:
-    """The GPT of examples/train_gpt.py, at the benchmark's size."""
-    return GPT(VOCAB, SEQ, D_MODEL, LAYERS, HEADS)
-
-
-def _ours(strategy, use_orig_params, model):
-    return fsdp1.FullyShardedDataParallel(
-        model, sharding_strategy=fsdp1.ShardingStrategy[strategy],
-        auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({Block}), use_orig_params=use_orig_params)
-
-
-def _torch_fsdp1(strategy, use_orig_params, model):
-    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-    return FullyShardedDataParallel(
-        model, sharding_strategy=ShardingStrategy[strategy], auto_wrap_policy=ModuleWrapPolicy({Block}),
-        use_orig_params=use_orig_params, device_id=torch.device("cpu"))
-
-
-def _fsdp2(model):
-    from torch.distributed.fsdp import fully_shard
-    for block in model.blocks:
-        fully_shard(block)
-    return fully_shard(model)
-
-
-def _ddp(model):
-    return nn.parallel.DistributedDataParallel(model)
-
-
-VARIANTS = {
-    "local": lambda m: m,
-    "local_aa": lambda m: m,
-    "ddp": _ddp,
-    "torch_fsdp1_full": partial(_torch_fsdp1, "FULL_SHARD", False),
-    "fsdp1_full": partial(_ours, "FULL_SHARD", False),
-    "torch_fsdp1_full_orig": partial(_torch_fsdp1, "FULL_SHARD", True),
-    "fsdp1_full_orig": partial(_ours, "FULL_SHARD", True),
-    "torch_fsdp1_grad_op": partial(_torch_fsdp1, "SHARD_GRAD_OP", False),
-    "fsdp1_grad_op": partial(_ours, "SHARD_GRAD_OP", False),
-    "torch_fsdp1_no_shard": partial(_torch_fsdp1, "NO_SHARD", False),
-    "fsdp1_no_shard": partial(_ours, "NO_SHARD", False),
-    "torch_fsdp2": _fsdp2,
-}
-ANCHOR = {"fsdp1_full": "torch_fsdp1_full", "fsdp1_full_orig": "torch_fsdp1_full_orig",
-          "fsdp1_grad_op": "torch_fsdp1_grad_op", "fsdp1_no_shard": "torch_fsdp1_no_shard"}
+MIB = 2**20
+WARMUP_STEPS = 2
 
 
 class CommBytes(TorchDispatchMode):
-    """Payload bytes per collective kind: all-gather output, reduce-scatter input, all-reduce tensor."""
+    """Payload bytes per collective kind: all-gather output, reduce-scatter input, all-reduce tensor,
+    and for all-to-all the bytes this rank sends to others."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.payload = defaultdict(int)
+        self.payload: Dict[str, int] = defaultdict(int)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "c10d":
@@ -105,138 +60,284 @@ class CommBytes(TorchDispatchMode):
                 self.payload["reduce_scatter"] += _nbytes(args[1])
             elif name.startswith("allreduce"):
                 self.payload["all_reduce"] += _nbytes(args[0])
+            elif name.startswith("alltoall_base_"):
+                output, inputs, _, _, input_splits = args[:5]
+                to_self = input_splits[dist.get_rank()] * inputs.element_size() if input_splits else _nbytes(inputs) // dist.get_world_size()
+                self.payload["all_to_all_sent"] += _nbytes(inputs) - to_self
         return func(*args, **(kwargs or {}))
 
 
-def _nbytes(obj):
+def _nbytes(obj) -> int:
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
     return sum(_nbytes(o) for o in obj) if isinstance(obj, (list, tuple)) else 0
 
 
-def _state_bytes(model, optim):
-    """Bytes of distinct storages held by parameters, gradients and optimizer state on this rank."""
-    seen, total = set(), 0
+def _state_bytes(model, optim) -> int:
+    """Bytes of the distinct storages behind parameters, gradients and optimizer state on this rank."""
     tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
     tensors += [v for state in optim.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    storages = {}
     for t in tensors:
-        t = t.to_local() if hasattr(t, "to_local") else t
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-    return total
+        storage = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
-def _run(rank, world_size, port, rounds, steps_per_round, result_path):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    torch.manual_seed(0)
-    base = make_model()
-    num_params = sum(p.numel() for p in base.parameters())
-    gen = torch.Generator().manual_seed(rank)
-    data = [torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen) for _ in range(4)]
-    models, optims = {}, {}
-    for name, wrap in VARIANTS.items():
-        models[name] = wrap(copy.deepcopy(base))
-        optims[name] = torch.optim.AdamW(models[name].parameters(), lr=1e-3, foreach=True)
+class Rank:
+    """One rank's side of the benchmark: every variant's model, optimizer and batches."""
 
-    def step(name, i):
-        tokens = data[i % len(data)]
-        logits = models[name](tokens[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+    def __init__(self, size: GPTSize, names: List[str], device: torch.device) -> None:
+        self.size, self.names, self.device = size, names, device
+        torch.manual_seed(0)
+        self.base = size.make_model()
+        gen = torch.Generator().manual_seed(dist.get_rank())
+        self.batches = [size.make_batch(gen, device) for _ in range(4)]
+
+    def build(self, name: str):
+        model = VARIANTS[name](copy.deepcopy(self.base), self.device)
+        return model, make_optimizer(model)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def step(self, model, optim, i: int, phases: Dict[str, float] = None) -> float:
+        marks = [time.perf_counter()]
+        loss = self.size.loss(model, self.batches[i % len(self.batches)])
+        self._sync()
+        marks.append(time.perf_counter())
         loss.backward()
-        optims[name].step()
-        optims[name].zero_grad(set_to_none=True)
+        self._sync()
+        marks.append(time.perf_counter())
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        self._sync()
+        marks.append(time.perf_counter())
+        if phases is not None:
+            for phase, start, end in zip(("fwd", "bwd", "opt"), marks, marks[1:]):
+                phases[phase] = end - start
         return loss.item()
 
-    losses = {name: [step(name, i) for i in range(2)] for name in VARIANTS}  # warm-up
-    wall, cpu = defaultdict(list), defaultdict(list)
-    names = list(VARIANTS)
-    for r in range(rounds):
-        order = names[r % len(names):] + names[: r % len(names)]
-        for name in order:
-            for i in range(steps_per_round):
-                dist.barrier()
-                t0, c0 = time.perf_counter(), time.process_time()
-                step(name, i)
-                times = torch.tensor([time.perf_counter() - t0, time.process_time() - c0])
-                dist.all_reduce(times, op=dist.ReduceOp.MAX)
-                wall[name].append((r, times[0].item()))
-                cpu[name].append((r, times[1].item()))
-    comm, state = {}, {}
+    def time_rounds(self, rounds: int, steps_per_round: int):
+        built = {name: self.build(name) for name in self.names}
+        for name, (model, optim) in built.items():
+            for i in range(WARMUP_STEPS):
+                self.step(model, optim, i)
+        samples = defaultdict(list)  # name -> [(round, wall, cpu, fwd, bwd, opt)]
+        for r in range(rounds):
+            order = self.names[r % len(self.names):] + self.names[: r % len(self.names)]
+            for name in order:
+                model, optim = built[name]
+                for i in range(steps_per_round):
+                    phases: Dict[str, float] = {}
+                    dist.barrier()
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    self.step(model, optim, i, phases)
+                    times = torch.tensor([time.perf_counter() - t0, time.process_time() - c0,
+                                          phases["fwd"], phases["bwd"], phases["opt"]])
+                    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+                    samples[name].append([r] + times.tolist())
+        comm = {}
+        for name, (model, optim) in built.items():
+            counter = CommBytes()
+            with counter:
+                self.step(model, optim, 0)
+            comm[name] = dict(counter.payload)
+        return samples, comm
+
+    def measure_memory(self, name: str) -> Dict[str, float]:
+        """Peak live storage over two steps, counted from construction; the state after a step."""
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        with LiveStorageTracker() as tracker:
+            model, optim = self.build(name)
+            tracker.reset_peak()
+            for i in range(2):
+                step_start = tracker.live
+                loss = self.size.loss(model, self.batches[i])
+                loss.backward()
+                optim.step()
+                state = _state_bytes(model, optim)
+                optim.zero_grad(set_to_none=True)
+            result = dict(step_start=step_start, peak=tracker.peak, state=state)
+            del model, optim, loss
+        if self.device.type == "cuda":
+            result["cuda_max_allocated"] = torch.cuda.max_memory_allocated(self.device)
+        return result
+
+
+def _run(rank, world_size, port, device_type, names, size, rounds, steps_per_round, result_path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        torch.set_num_threads(1)
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank, world_size=world_size)
+    bench = Rank(size, names, device)
+    samples, comm = bench.time_rounds(rounds, steps_per_round)
+    memory = {}
     for name in names:
-        counter = CommBytes()
-        with counter:
-            step(name, 0)
-        comm[name] = dict(counter.payload)
-        state[name] = _state_bytes(models[name], optims[name])
+        measured = torch.tensor(list(bench.measure_memory(name).values()), dtype=torch.float64)
+        dist.all_reduce(measured, op=dist.ReduceOp.MAX)
+        keys = ["step_start", "peak", "state"] + (["cuda_max_allocated"] if device_type == "cuda" else [])
+        memory[name] = dict(zip(keys, measured.tolist()))
     if rank == 0:
         with open(result_path, "w") as f:
-            json.dump({"world_size": world_size, "num_params": num_params, "wall": wall, "cpu": cpu,
-                       "comm": comm, "state_bytes": state, "losses": losses}, f)
+            json.dump({"samples": samples, "comm": comm, "memory": memory}, f)
     dist.destroy_process_group()
 
 
-def _per_round(samples):
-    rounds = defaultdict(list)
-    for r, value in samples:
-        rounds[r].append(value)
-    return {r: statistics.median(v) for r, v in rounds.items()}
+def _paired_ratio(samples, name, anchor, column):
+    def per_round(rows):
+        rounds = defaultdict(list)
+        for row in rows:
+            rounds[row[0]].append(row[column])
+        return {r: statistics.median(v) for r, v in rounds.items()}
+
+    mine, theirs = per_round(samples[name]), per_round(samples[anchor])
+    ratios = [mine[r] / theirs[r] for r in mine]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
 
 
-def report(result):
-    ws, psi = result["world_size"], result["num_params"]
-    f = (ws - 1) / ws
-    print(f"GPT V={VOCAB} T={SEQ} d={D_MODEL} L={LAYERS}: {psi:,} params ({psi * 4 / 2**20:.2f} MiB fp32), "
-          f"{ws} gloo ranks, batch {BATCH}/rank, AdamW(foreach)")
-    header = f"{'variant':24} {'wall ms':>8} {'cpu ms':>8} {'wall/anchor':>18} {'cpu/anchor':>18} {'comm MiB/rank':>14} {'P+O MiB/rank':>15}"
+def minimum_comm_bytes(name: str, num_params: int, root_params: int, world_size: int) -> int:
+    """Fewest bytes a rank must send (= receive) per step for the variant's strategy (fp32)."""
+    f = (world_size - 1) / world_size
+    if name.startswith("local"):
+        return 0
+    if "full" in name or name == "torch_fsdp2":  # all-gather forward and backward (not the root's), reduce-scatter
+        return int(f * 4 * (2 * num_params - root_params + num_params))
+    return int(f * 4 * 2 * num_params)  # one all-reduce, or all-gather + reduce-scatter
+
+
+def summarize(raw, size: GPTSize, world_size: int, predicted: Dict[str, Dict[str, int]]):
+    model = size.make_model()
+    num_params = sum(p.numel() for p in model.parameters())
+    root_params = num_params - sum(p.numel() for p in model.blocks.parameters())
+    rows = {}
+    for name, samples in raw["samples"].items():
+        comm = raw["comm"][name]
+        f = (world_size - 1) / world_size
+        comm_bytes = (f * (comm.get("all_gather", 0) + comm.get("reduce_scatter", 0)) + 2 * f * comm.get("all_reduce", 0)
+                      + comm.get("all_to_all_sent", 0))
+        minimum = minimum_comm_bytes(name, num_params, root_params, world_size)
+        sharded = name.startswith(("torch_fsdp2",)) or any(k in name for k in ("full", "grad_op"))
+        row = {
+            "wall_ms": statistics.median(s[1] for s in samples) * 1e3,
+            "cpu_ms": statistics.median(s[2] for s in samples) * 1e3,
+            "fwd_bwd_opt_ms": [statistics.median(s[c] for s in samples) * 1e3 for c in (3, 4, 5)],
+            "comm_mib": comm_bytes / MIB,
+            "comm_vs_min": comm_bytes / minimum if minimum else None,
+            "peak_mib": raw["memory"][name]["peak"] / MIB,
+            "step_start_mib": raw["memory"][name]["step_start"] / MIB,
+            "state_mib": raw["memory"][name]["state"] / MIB,
+            "state_bound_mib": 16 * num_params / (world_size if sharded else 1) / MIB,
+            "predicted_peak_mib": predicted[name]["peak"] / MIB if name in predicted else None,
+        }
+        if "cuda_max_allocated" in raw["memory"][name]:
+            row["cuda_max_allocated_mib"] = raw["memory"][name]["cuda_max_allocated"] / MIB
+        anchor = ANCHOR.get(name)
+        if anchor in raw["samples"]:
+            row["wall_vs_anchor"] = _paired_ratio(raw["samples"], name, anchor, 1)
+            row["cpu_vs_anchor"] = _paired_ratio(raw["samples"], name, anchor, 2)
+            row["peak_vs_anchor"] = raw["memory"][name]["peak"] / raw["memory"][anchor]["peak"]
+        rows[name] = row
+    return {"num_params": num_params, "root_params": root_params, "rows": rows}
+
+
+def print_table(summary, size: GPTSize, world_size: int, backend: str) -> None:
+    psi = summary["num_params"]
+    print(f"GPT V={size.vocab} T={size.seq} d={size.d_model} L={size.layers}: {psi:,} params "
+          f"({psi * 4 / MIB:.2f} MiB fp32), {world_size} {backend} ranks, batch {size.batch}/rank, AdamW(foreach)")
+
+    def ratio(r):
+        return f"{r['median']:.2f} [{r['min']:.2f},{r['max']:.2f}]" if r else "-"
+
+    def opt(value, fmt):
+        return format(value, fmt) if value is not None else "-"
+
+    header = (f"{'variant':22} {'wall ms':>7} {'cpu ms':>7} {'fwd/bwd/opt ms':>15} {'wall/anchor':>17} {'cpu/anchor':>17} "
+              f"{'comm MiB':>8} {'/min':>5} {'peak MiB':>8} {'/anchor':>7} {'predicted':>9} {'P+G+O MiB':>9} {'/bound':>6}")
     print(header)
     print("-" * len(header))
-    rows = {}
-    for name, samples in result["wall"].items():
-        wall_ms = statistics.median(v for _, v in samples) * 1e3
-        cpu_ms = statistics.median(v for _, v in result["cpu"][name]) * 1e3
-        comm = result["comm"][name]
-        per_rank = f * (comm.get("all_gather", 0) + comm.get("reduce_scatter", 0)) + 2 * f * comm.get("all_reduce", 0)
-        ratios = {}
-        anchor = ANCHOR.get(name)
-        for kind in ("wall", "cpu"):
-            if anchor:
-                mine, theirs = _per_round(result[kind][name]), _per_round(result[kind][anchor])
-                paired = [mine[r] / theirs[r] for r in mine]
-                ratios[kind] = f"{statistics.median(paired):.2f} [{min(paired):.2f},{max(paired):.2f}]"
-            else:
-                ratios[kind] = "-"
-        rows[name] = dict(wall_ms=wall_ms, cpu_ms=cpu_ms, wall_vs_anchor=ratios["wall"], cpu_vs_anchor=ratios["cpu"],
-                          comm_mib_per_rank=per_rank / 2**20, state_mib_per_rank=result["state_bytes"][name] / 2**20)
-        print(f"{name:24} {wall_ms:8.1f} {cpu_ms:8.1f} {ratios['wall']:>18} {ratios['cpu']:>18} "
-              f"{per_rank / 2**20:14.2f} {result['state_bytes'][name] / 2**20:15.2f}")
-    print(f"minimum comm per rank: FULL_SHARD <= 3f*psi*4 B = {3 * f * psi * 4 / 2**20:.2f} MiB "
-          f"(less the root's backward all-gather), SHARD_GRAD_OP/NO_SHARD/DDP 2f*psi*4 B = {2 * f * psi * 4 / 2**20:.2f} MiB; "
-          f"params+optimizer state after zero_grad (P+O)/N = {12 * psi / ws / 2**20:.2f} MiB")
-    return rows
+    for name, row in summary["rows"].items():
+        phases = "/".join(f"{v:.0f}" for v in row["fwd_bwd_opt_ms"])
+        print(f"{name:22} {row['wall_ms']:7.1f} {row['cpu_ms']:7.1f} {phases:>15} {ratio(row.get('wall_vs_anchor')):>17} "
+              f"{ratio(row.get('cpu_vs_anchor')):>17} {row['comm_mib']:8.2f} {opt(row['comm_vs_min'], '5.3f'):>5} "
+              f"{row['peak_mib']:8.2f} {opt(row.get('peak_vs_anchor'), '7.3f'):>7} {opt(row['predicted_peak_mib'], '9.2f'):>9} "
+              f"{row['state_mib']:9.2f} {row['state_mib'] / row['state_bound_mib']:6.3f}")
+    print("anchor: torch's FSDP1 with the same strategy (local for local_aa). /min: bytes against the strategy's "
+          "minimum. predicted: memory_estimator's dry run. /bound: against (P+G+O)/N = 16 B x params / N "
+          "(x N for unsharded variants).")
 
 
-def main():
+def plot(summary, path: str) -> bool:
+    """Wall time, peak memory and bytes per variant, as a PNG; False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = summary["rows"]
+    names = list(rows)
+    colors = ["tab:green" if n.startswith("fsdp1") else "tab:gray" if n.startswith("local") else "tab:blue" for n in names]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5), sharey=True)
+    panels = [("wall ms per step", [rows[n]["wall_ms"] for n in names]),
+              ("peak MiB per rank (o: predicted)", [rows[n]["peak_mib"] for n in names]),
+              ("MiB communicated per rank and step", [rows[n]["comm_mib"] for n in names])]
+    for ax, (title, values) in zip(axes, panels):
+        ax.barh(names, values, color=colors)
+        ax.set_title(title)
+        ax.invert_yaxis()
+    for i, n in enumerate(names):
+        if rows[n]["predicted_peak_mib"] is not None:
+            axes[1].plot(rows[n]["predicted_peak_mib"], i, "ko")
+    fig.suptitle("fsdp1 (green) vs torch FSDP1 / FSDP2 / DDP (blue) and no wrapper (gray)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--world-size", type=int, help="default: 2 on CPU, every GPU on CUDA")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--steps-per-round", type=int, default=3)
     parser.add_argument("--json", default="bench_out/benchmark.json")
+    defaults = GPTSize()
+    for field in ("vocab", "seq", "d_model", "layers", "heads", "batch"):
+        parser.add_argument(f"--{field.replace('_', '-')}", type=int, default=getattr(defaults, field))
     args = parser.parse_args()
+    size = GPTSize(args.vocab, args.seq, args.d_model, args.layers, args.heads, args.batch)
+    world_size = args.world_size or (torch.cuda.device_count() if args.device == "cuda" else 2)
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    raw = args.json + ".raw"
+
+    predicted = {}
+    with fake_process_group(world_size):
+        for name in args.variants:
+            if name in ESTIMATED:
+                predicted[name] = vars(estimate(size, VARIANTS[name]))
+
+    raw_path = args.json + ".raw"
     port = 29600 + os.getpid() % 1000
-    mp.spawn(_run, args=(args.world_size, port, args.rounds, args.steps_per_round, raw), nprocs=args.world_size)
-    with open(raw) as f:
-        result = json.load(f)
-    os.remove(raw)
-    rows = report(result)
+    mp.spawn(_run, nprocs=world_size, args=(world_size, port, args.device, args.variants, size, args.rounds,
+                                            args.steps_per_round, raw_path))
+    with open(raw_path) as f:
+        raw = json.load(f)
+    os.remove(raw_path)
+    summary = summarize(raw, size, world_size, predicted)
+    print_table(summary, size, world_size, "nccl" if args.device == "cuda" else "gloo")
     with open(args.json, "w") as f:
-        json.dump({"rows": rows, "raw": result}, f, indent=1)
-    print(f"wrote {args.json}")
+        json.dump({"size": vars(size), "world_size": world_size, "device": args.device, **summary, "raw": raw}, f, indent=1)
+    png = os.path.splitext(args.json)[0] + ".png"
+    print(f"wrote {args.json}" + (f" and {png}" if plot(summary, png) else " (install matplotlib for a plot)"))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,93 @@
+"""Predict fsdp1's memory per rank before you have the ranks: a dry run on the meta device.
+
+    python tools/memory_estimator.py --world-size 8 --strategy FULL_SHARD
+    python tools/memory_estimator.py --world-size 64 --d-model 1024 --layers 24 --batch 4
+
+The model is built on the meta device (no memory, no data) and trained for two steps under a fake
+process group of the requested world size, in this one process, as rank 0 of N. Collectives move no
+data, but every tensor is created with its real size, so counting the live storage
+(``LiveStorageTracker``) gives the peak one rank of a real run reaches: parameters, gradients,
+optimizer state, activations, unsharded units and every temporary, as each exists at that moment.
+
+From Python, ``estimate(size, wrapper, world_size)`` does the same for any variant of
+``workload.VARIANTS`` that runs on the meta device under a fake group (fsdp1's, and ``local``);
+pass your own ``GPTSize`` or adapt ``estimate`` to your model's factory and loss. DDP refuses the
+fake group, so it has no estimate.
+"""
+
+import argparse
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from live_memory import LiveStorageTracker
+from workload import VARIANTS, GPTSize, Wrapper, make_optimizer
+
+META = torch.device("meta")
+ESTIMATED = [name for name in VARIANTS if name.startswith("fsdp1_") or name == "local"]
+"""The benchmark's variants that the dry run can execute."""
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank: alive when a training step starts (after ``zero_grad(set_to_none=True)``),
+    and the most alive at any moment of a training step."""
+
+    step_start: int
+    peak: int
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int) -> Iterator[None]:
+    """Make this process rank 0 of ``world_size`` ranks whose collectives move nothing."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def estimate(size: GPTSize, wrapper: Wrapper, steps: int = 2) -> MemoryEstimate:
+    """Dry-run ``steps`` training steps of the wrapped model on the meta device; needs a process group
+    (see ``fake_process_group``) unless ``wrapper`` is ``local``."""
+    tokens = size.make_batch(torch.Generator().manual_seed(0), META)
+    with LiveStorageTracker() as tracker:
+        with META:
+            model = size.make_model()
+        model = wrapper(model, META)
+        optim = make_optimizer(model)
+        step_start = tracker.live
+        tracker.reset_peak()
+        for _ in range(steps):
+            step_start = tracker.live
+            size.loss(model, tokens).backward()
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+        return MemoryEstimate(step_start, tracker.peak)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--variant", choices=ESTIMATED, default="fsdp1_full")
+    defaults = GPTSize()
+    for field in ("vocab", "seq", "d_model", "layers", "heads", "batch"):
+        parser.add_argument(f"--{field.replace('_', '-')}", type=int, default=getattr(defaults, field))
+    args = parser.parse_args()
+    size = GPTSize(args.vocab, args.seq, args.d_model, args.layers, args.heads, args.batch)
+    num_params = sum(p.numel() for p in size.make_model().to(META).parameters())
+    with fake_process_group(args.world_size):
+        result = estimate(size, VARIANTS[args.variant])
+    mib = 2**20
+    print(f"{args.variant} on {args.world_size} ranks, GPT {num_params:,} params, batch {size.batch}x{size.seq}/rank, "
+          f"AdamW: step start {result.step_start / mib:.2f} MiB, peak {result.peak / mib:.2f} MiB per rank "
+          f"(unsharded params+grads+AdamW state: {16 * num_params / mib:.2f} MiB)")
+
+
+if __name__ == "__main__":
+    main()

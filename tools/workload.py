@@ -1,0 +1,101 @@
+"""What the benchmark and the memory estimator run: the example's GPT at a chosen size, its batch and
+loss, and every wrapper variant, each wrapped with one unit per block plus the root."""
+
+import sys
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Callable, Dict
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import fsdp1
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from train_gpt import GPT, Block  # noqa: E402 - the example's model, so every tool measures the same code
+
+
+@dataclass(frozen=True)
+class GPTSize:
+    """The CPU configuration of ../shared/spec/performance.md §5 by default (5.29 M parameters)."""
+
+    vocab: int = 4096
+    seq: int = 128
+    d_model: int = 256
+    layers: int = 4
+    heads: int = 4
+    batch: int = 2  # sequences per rank and step
+
+    def make_model(self) -> nn.Module:
+        return GPT(self.vocab, self.seq, self.d_model, self.layers, self.heads)
+
+    def make_batch(self, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+        tokens = torch.randint(0, self.vocab, (self.batch, self.seq + 1), generator=generator)
+        return tokens.to(device)
+
+    def loss(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        logits = model(tokens[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, self.vocab), tokens[:, 1:].reshape(-1))
+
+
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+
+
+def _fsdp1(strategy: str, use_orig_params: bool, model: nn.Module, device: torch.device) -> nn.Module:
+    return fsdp1.FullyShardedDataParallel(
+        model, sharding_strategy=fsdp1.ShardingStrategy[strategy], auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({Block}),
+        use_orig_params=use_orig_params, device_id=device)
+
+
+def _torch_fsdp1(strategy: str, use_orig_params: bool, model: nn.Module, device: torch.device) -> nn.Module:
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    return FullyShardedDataParallel(
+        model, sharding_strategy=ShardingStrategy[strategy], auto_wrap_policy=ModuleWrapPolicy({Block}),
+        use_orig_params=use_orig_params, device_id=device)
+
+
+def _torch_fsdp2(model: nn.Module, device: torch.device) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    model.to(device)
+    for block in model.blocks:
+        fully_shard(block)
+    return fully_shard(model)
+
+
+def _ddp(model: nn.Module, device: torch.device) -> nn.Module:
+    return nn.parallel.DistributedDataParallel(model.to(device))
+
+
+def _local(model: nn.Module, device: torch.device) -> nn.Module:
+    return model.to(device)
+
+
+Wrapper = Callable[[nn.Module, torch.device], nn.Module]
+
+VARIANTS: Dict[str, Wrapper] = {
+    "local": _local,
+    "local_aa": _local,
+    "ddp": _ddp,
+    "torch_fsdp1_full": partial(_torch_fsdp1, "FULL_SHARD", False),
+    "fsdp1_full": partial(_fsdp1, "FULL_SHARD", False),
+    "torch_fsdp1_full_orig": partial(_torch_fsdp1, "FULL_SHARD", True),
+    "fsdp1_full_orig": partial(_fsdp1, "FULL_SHARD", True),
+    "torch_fsdp1_grad_op": partial(_torch_fsdp1, "SHARD_GRAD_OP", False),
+    "fsdp1_grad_op": partial(_fsdp1, "SHARD_GRAD_OP", False),
+    "torch_fsdp1_no_shard": partial(_torch_fsdp1, "NO_SHARD", False),
+    "fsdp1_no_shard": partial(_fsdp1, "NO_SHARD", False),
+    "torch_fsdp2": _torch_fsdp2,
+}
+"""Every variant the benchmark measures; ``local`` is the model alone (the compute floor) and
+``local_aa`` the same again, as the A/A noise control."""
+
+ANCHOR = {"fsdp1_full": "torch_fsdp1_full", "fsdp1_full_orig": "torch_fsdp1_full_orig",
+          "fsdp1_grad_op": "torch_fsdp1_grad_op", "fsdp1_no_shard": "torch_fsdp1_no_shard",
+          "local_aa": "local"}
+"""The variant each one is compared with, round by round."""
