@@ -100,7 +100,7 @@ class GradReduction:
     """A gradient reduce-scatter (or all-reduce) in flight for one handle."""
 
     handle: "FlatParamHandle"
-    work: comm.Work
+    work: "comm.Work | comm.PairwiseReduceScatter"
     unsharded_grad: torch.Tensor  # kept alive until the collective has read it
     reduced: torch.Tensor
 
@@ -235,10 +235,17 @@ class FlatParamHandle:
         if self.is_sharded:
             self.flat_param.data = self._unsharded_buffer
 
-    def use_unsharded_views(self) -> None:
+    def use_unsharded_views(self) -> Optional[torch.autograd.graph.Node]:
         """Give the module views of the unsharded flat parameter, made under the caller's grad mode so
-        that autograd routes every original parameter's gradient into the flat parameter."""
-        self._install(self._unflatten(self.flat_param), as_parameters=self.use_orig_params)
+        that autograd routes every original parameter's gradient into the flat parameter.
+
+        Returns the autograd node that will assemble the unsharded flat gradient from the views'
+        gradients (None when no gradient will flow), so that the runtime can act just before that
+        gradient is allocated.
+        """
+        pieces = torch.split(self.flat_param, self._split_sizes)
+        self._install(self._param_views(pieces), as_parameters=self.use_orig_params)
+        return pieces[0].grad_fn
 
     def reshard(self) -> None:
         """Point everything back at the local shard and free the unsharded storage (no-op when sharded:
@@ -259,7 +266,10 @@ class FlatParamHandle:
         self.state = HandleState.SHARDED
 
     def _unflatten(self, flat: torch.Tensor) -> List[torch.Tensor]:
-        pieces = torch.split(flat, self._split_sizes)
+        return self._param_views(torch.split(flat, self._split_sizes))
+
+    def _param_views(self, pieces: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """Each parameter's piece of the split unsharded flat parameter, in its own shape."""
         return [pieces[i].view(shape) for i, shape in zip(self._piece_of_param, self._shapes)]
 
     def _install(self, views: List[torch.Tensor], as_parameters: bool) -> None:

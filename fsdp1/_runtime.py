@@ -86,9 +86,11 @@ class ExecutionOrder:
 class RootState:
     """Runtime shared by a root and its units: the unit list, the final callback, reductions in flight.
 
-    At most ``MAX_REDUCTIONS_IN_FLIGHT`` gradient reductions are outstanding; each holds one unit's
-    unsharded gradient, so the bound caps that memory while still letting a reduction overlap the
-    next unit's backward computation.
+    At most ``MAX_REDUCTIONS_IN_FLIGHT`` gradient reductions are outstanding. Under a sharded
+    strategy each one holds an unsharded gradient, so it is finished as the next unit's backward
+    starts or before the next unsharded gradient is allocated (``_before_unsharded_gradient``),
+    whichever comes first: the reduction overlaps the resharding and the next all-gather, and peak
+    memory stays that of a synchronous reduce-scatter.
     """
 
     MAX_REDUCTIONS_IN_FLIGHT = 2
@@ -152,7 +154,9 @@ def pre_forward(unit: "Unit", args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> 
             _gather(unit._handle, HandleTrainingState.FORWARD)
             if unit.forward_prefetch:
                 _prefetch(state.order.next_in_forward(unit))
-            unit._handle.use_unsharded_views()
+            gradient_node = unit._handle.use_unsharded_views()
+            if gradient_node is not None and unit._handle.is_sharded:
+                gradient_node.register_prehook(partial(_before_unsharded_gradient, state))
         return args, kwargs
 
 
@@ -184,6 +188,8 @@ def _pre_backward(unit: "Unit", grad: torch.Tensor) -> None:
         unit._awaits_pre_backward = False
         unit.training_state = TrainingState.FORWARD_BACKWARD
         if unit._handle is not None:
+            if unit._handle.is_sharded:
+                state.finish_reductions()
             _gather(unit._handle, HandleTrainingState.BACKWARD_PRE)
             if unit.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
                 _prefetch_for_backward(state.order.next_in_backward(unit))
@@ -194,6 +200,13 @@ def _gather(handle: FlatParamHandle, training_state: HandleTrainingState) -> Non
     handle.training_state = training_state
     handle.unshard()
     handle.wait_unshard()
+
+
+def _before_unsharded_gradient(state: RootState, grad_outputs: Tuple[torch.Tensor, ...]) -> None:
+    """Autograd is about to allocate a unit's unsharded gradient: finish the reductions still reading
+    earlier units' unsharded gradients and free those first, so that no two are alive together (the
+    root's gradient, for one, is assembled after every block's reduction has started)."""
+    state.finish_reductions()
 
 
 def _prefetch(unit: Optional["Unit"]) -> None:
