@@ -100,7 +100,7 @@ class GradReduction:
     """A gradient reduce-scatter (or all-reduce) in flight for one handle."""
 
     handle: "FlatParamHandle"
-    work: "comm.Work | comm.PairwiseReduceScatter"
+    work: "comm.Work | comm.PairwiseExchange"
     unsharded_grad: torch.Tensor  # kept alive until the collective has read it
     reduced: torch.Tensor
 
@@ -154,7 +154,7 @@ class FlatParamHandle:
             _free_storage(self._unsharded_buffer)
             self.state = HandleState.SHARDED
         self.training_state = HandleTrainingState.IDLE
-        self._gather_work: Optional[comm.Work] = None
+        self._gather_work: "Optional[comm.Work | comm.PairwiseExchange]" = None
         self._reduced_grad: Optional[torch.Tensor] = None  # reduced gradient accumulated this step
         self._grad_is_unreduced = False  # flat_param.grad holds local sums (inside no_sync)
         self._orig_grad_views: List[Optional[torch.Tensor]] = []
