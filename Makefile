@@ -2,14 +2,30 @@
 # torch is pinned here (not in setup.py): a bare `torch` requirement pulls a multi-GB CUDA build.
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
+TORCHRUN = OMP_NUM_THREADS=1 $(PYTHON) -m torch.distributed.run --standalone --nproc-per-node 2
+MIGRATION = examples/ddp_to_fsdp1
 
-.PHONY: test train install
+.PHONY: test train migrate benchmark install install-examples
 
 install:
 	$(PYTHON) -m pip install -q "$(TORCH)" -e ".[test]"
 
+# The examples and tools also run without these extras (no progress bar, no plots).
+install-examples:
+	$(PYTHON) -m pip install -q "$(TORCH)" -e ".[test,examples]"
+
 test: install
 	$(PYTHON) -m pytest -q tests
 
-train: install
-	OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 examples/train_gpt.py
+train: install-examples
+	$(TORCHRUN) examples/train_gpt.py
+
+migrate: install-examples
+	mkdir -p out
+	$(TORCHRUN) $(MIGRATION)/train_ddp.py --losses out/ddp_losses.json
+	$(TORCHRUN) $(MIGRATION)/train_fsdp1.py --losses out/fsdp1_losses.json
+	$(PYTHON) $(MIGRATION)/compare_losses.py out/ddp_losses.json out/fsdp1_losses.json --plot out/losses.png
+	diff $(MIGRATION)/train_ddp.py $(MIGRATION)/train_fsdp1.py || true
+
+benchmark: install-examples
+	$(PYTHON) tools/benchmark.py --json out/benchmark.json

@@ -5,8 +5,10 @@ Launch (2 CPU ranks, about a minute here):
     torchrun --standalone --nproc-per-node 2 examples/train_gpt.py
 
 It also runs as one process (``python examples/train_gpt.py``), where FSDP falls back to NO_SHARD.
-Every step prints the loss; the start prints each rank's parameter memory, sharded against the full
-model. ``--strategy`` and ``--use-orig-params`` choose the sharding; ``--text`` another corpus.
+Rank 0 shows a progress bar with the loss (with tqdm installed; else a line every 25 steps). The end
+reports throughput and each rank's memory for parameters, gradients and AdamW state against what
+one process would hold for the unsharded model. ``--strategy`` and ``--use-orig-params`` choose the
+sharding; ``--text`` another corpus.
 """
 
 import argparse
@@ -14,6 +16,7 @@ import math
 import os
 import time
 from pathlib import Path
+from typing import Iterable, Tuple
 
 import torch
 import torch.distributed as dist
@@ -68,6 +71,36 @@ def init_distributed() -> None:
     dist.init_process_group("gloo")
 
 
+def load_corpus(path: Path) -> Tuple[torch.Tensor, int]:
+    """The text as character indices, and the number of distinct characters."""
+    text = path.read_text()
+    chars = sorted(set(text))
+    index = {c: i for i, c in enumerate(chars)}
+    return torch.tensor([index[c] for c in text], dtype=torch.long), len(chars)
+
+
+def mean_over_ranks(value: torch.Tensor) -> float:
+    value = value.detach().clone()
+    dist.all_reduce(value)
+    return value.item() / dist.get_world_size()
+
+
+def progress(steps: int, enabled: bool) -> Iterable[int]:
+    """Step numbers 1..steps, under a tqdm bar where tqdm is installed and ``enabled``."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return range(1, steps + 1)
+    return tqdm(range(1, steps + 1), disable=not enabled, unit="step", dynamic_ncols=True)
+
+
+def state_bytes(model: nn.Module, optim: torch.optim.Optimizer) -> int:
+    """Bytes of this rank's parameters, gradients and optimizer state (distinct storages)."""
+    tensors = list(model.parameters()) + [p.grad for p in model.parameters() if p.grad is not None]
+    tensors += [t for state in optim.state.values() for t in state.values() if torch.is_tensor(t)]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
 def batches(data: torch.Tensor, block_size: int, batch_size: int, seed: int):
     """Random windows of the text, a different stream per rank."""
     gen = torch.Generator().manual_seed(seed)
@@ -94,44 +127,56 @@ def main() -> None:
     torch.set_num_threads(1)
     init_distributed()
     rank, world_size = dist.get_rank(), dist.get_world_size()
-
-    text = args.text.read_text()
-    chars = sorted(set(text))
-    data = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
+    data, vocab = load_corpus(args.text)
 
     torch.manual_seed(0)  # the same initial model on every rank
-    model = GPT(len(chars), args.block_size, args.d_model, args.layers, args.heads)
-    full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    model = GPT(vocab, args.block_size, args.d_model, args.layers, args.heads)
+    num_params = sum(p.numel() for p in model.parameters())
     model = fsdp1.FullyShardedDataParallel(
         model,
         sharding_strategy=fsdp1.ShardingStrategy[args.strategy],
         auto_wrap_policy=ModuleWrapPolicy({Block}),
         use_orig_params=args.use_orig_params,
     )
-    local_bytes = sum(unit._flat_param.numel() * unit._flat_param.element_size()
-                      for unit in fsdp1.FullyShardedDataParallel.fsdp_modules(model) if unit._has_params)
-    for r in range(world_size):
-        if r == rank:
-            print(f"rank {rank}/{world_size}: parameters {local_bytes / 2**20:.3f} MiB sharded "
-                  f"vs {full_bytes / 2**20:.3f} MiB full ({local_bytes / full_bytes:.1%})", flush=True)
-        dist.barrier()
-
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
     stream = batches(data, args.block_size, args.batch_size, seed=rank)
+    bar = progress(args.steps, enabled=rank == 0)
     start = time.perf_counter()
-    for step in range(1, args.steps + 1):
+    for step in bar:
         inputs, targets = next(stream)
-        loss = F.cross_entropy(model(inputs).reshape(-1, len(chars)), targets.reshape(-1))
+        loss = F.cross_entropy(model(inputs).reshape(-1, vocab), targets.reshape(-1))
         loss.backward()
         optim.step()
+        if step == args.steps:
+            held = state_bytes(model, optim)  # with this step's gradients still in place
         optim.zero_grad(set_to_none=True)
-        mean_loss = loss.detach().clone()
-        dist.all_reduce(mean_loss)
-        mean_loss /= world_size
-        if rank == 0 and (step % 25 == 0 or step == 1):
-            print(f"step {step:4d} | loss {mean_loss.item():.4f} (uniform {math.log(len(chars)):.2f}) "
-                  f"| {time.perf_counter() - start:.1f} s", flush=True)
+        if step % 25 == 0 or step == 1:
+            mean_loss = mean_over_ranks(loss)
+            if hasattr(bar, "set_postfix"):
+                bar.set_postfix(loss=f"{mean_loss:.4f}")
+            elif rank == 0:
+                print(f"step {step:4d} | loss {mean_loss:.4f} | {time.perf_counter() - start:.1f} s", flush=True)
+    seconds = time.perf_counter() - start
+    final_loss = mean_over_ranks(loss)
+    report(rank, world_size, args, vocab, num_params, held, seconds, final_loss)
     dist.destroy_process_group()
+
+
+def report(rank, world_size, args, vocab, num_params, held, seconds, final_loss) -> None:
+    """Throughput, and each rank's parameter + gradient + AdamW memory against one unsharded copy."""
+    tokens = args.steps * args.batch_size * args.block_size * world_size
+    unsharded = 16 * num_params  # fp32 parameter, gradient and two AdamW moments per element
+    if rank == 0:
+        print(f"{args.steps} steps in {seconds:.1f} s: {tokens / seconds:,.0f} tokens/s over {world_size} rank(s); "
+              f"final loss {final_loss:.4f} (uniform guess {math.log(vocab):.2f})", flush=True)
+    for r in range(world_size):
+        if r == rank:
+            line = (f"rank {rank}: parameters + gradients + AdamW state {held / 2**20:.2f} MiB, "
+                    f"unsharded model {unsharded / 2**20:.2f} MiB ({held / unsharded:.0%})")
+            if torch.cuda.is_available():
+                line += f"; CUDA peak allocated {torch.cuda.max_memory_allocated() / 2**20:.1f} MiB"
+            print(line, flush=True)
+        dist.barrier()
 
 
 if __name__ == "__main__":

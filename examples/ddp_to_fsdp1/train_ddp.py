@@ -1,0 +1,51 @@
+"""A DDP training script, the starting point of a migration to fsdp1 (see train_fsdp1.py).
+
+    torchrun --standalone --nproc-per-node 2 examples/ddp_to_fsdp1/train_ddp.py --losses ddp.json
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from train_gpt import DEFAULT_TEXT, GPT, batches, init_distributed, load_corpus, mean_over_ranks  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--losses", type=Path, help="write the per-step mean loss here (JSON)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    init_distributed()
+    rank = torch.distributed.get_rank()
+    data, vocab = load_corpus(DEFAULT_TEXT)
+
+    torch.manual_seed(0)
+    model = GPT(vocab, block_size=64, d_model=128, n_layers=4, n_heads=4)
+    model = DDP(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
+
+    losses = []
+    stream = batches(data, block_size=64, batch_size=8, seed=rank)
+    for step in range(args.steps):
+        inputs, targets = next(stream)
+        loss = F.cross_entropy(model(inputs).reshape(-1, vocab), targets.reshape(-1))
+        loss.backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        losses.append(mean_over_ranks(loss))
+    if rank == 0:
+        print(f"{args.steps} steps, final loss {losses[-1]:.6f}")
+        if args.losses:
+            args.losses.write_text(json.dumps(losses))
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
