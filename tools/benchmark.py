@@ -27,6 +27,7 @@ import json
 import os
 import statistics
 import time
+import warnings
 from collections import defaultdict
 from typing import Dict, List
 
@@ -167,8 +168,14 @@ class Rank:
         return result
 
 
+def _quiet_no_shard_deprecation() -> None:
+    """torch and fsdp1 both warn on every NO_SHARD unit; the benchmark measures it on purpose."""
+    warnings.filterwarnings("ignore", "The `NO_SHARD` sharding strategy is deprecated", FutureWarning)
+
+
 def _run(rank, world_size, port, device_type, names, size, rounds, steps_per_round, result_path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    _quiet_no_shard_deprecation()
     if device_type == "cuda":
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
@@ -319,6 +326,7 @@ def main() -> None:
     world_size = args.world_size or (torch.cuda.device_count() if args.device == "cuda" else 2)
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
 
+    _quiet_no_shard_deprecation()
     predicted = {}
     with fake_process_group(world_size):
         for name in args.variants:
