@@ -29,7 +29,7 @@ import statistics
 import time
 import warnings
 from collections import defaultdict
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -103,7 +103,7 @@ class Rank:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def step(self, model, optim, i: int, phases: Dict[str, float] = None) -> float:
+    def step(self, model, optim, i: int, phases: Optional[Dict[str, float]] = None) -> float:
         marks = [time.perf_counter()]
         loss = self.size.loss(model, self.batches[i % len(self.batches)])
         self._sync()
@@ -223,14 +223,14 @@ def summarize(raw, size: GPTSize, world_size: int, predicted: Dict[str, Dict[str
     model = size.make_model()
     num_params = sum(p.numel() for p in model.parameters())
     root_params = num_params - sum(p.numel() for p in model.blocks.parameters())
+    f = (world_size - 1) / world_size
     rows = {}
     for name, samples in raw["samples"].items():
         comm = raw["comm"][name]
-        f = (world_size - 1) / world_size
         comm_bytes = (f * (comm.get("all_gather", 0) + comm.get("reduce_scatter", 0)) + 2 * f * comm.get("all_reduce", 0)
                       + comm.get("all_to_all_sent", 0))
         minimum = minimum_comm_bytes(name, num_params, root_params, world_size)
-        sharded = name.startswith(("torch_fsdp2",)) or any(k in name for k in ("full", "grad_op"))
+        sharded = name == "torch_fsdp2" or "full" in name or "grad_op" in name
         row = {
             "wall_ms": statistics.median(s[1] for s in samples) * 1e3,
             "cpu_ms": statistics.median(s[2] for s in samples) * 1e3,

@@ -17,8 +17,8 @@ def main() -> None:
     ddp, ours = json.loads(args.ddp.read_text()), json.loads(args.fsdp1.read_text())
     worst = max(range(len(ddp)), key=lambda i: abs(ddp[i] - ours[i]))
     print(f"{len(ddp)} steps: loss {ddp[0]:.4f} -> {ddp[-1]:.4f} with DDP, {ours[0]:.4f} -> {ours[-1]:.4f} with fsdp1; "
-          f"largest difference {abs(ddp[worst] - ours[worst]):.3g} at step {worst + 1}; "
-          f"{sum(a == b for a, b in zip(ddp, ours))} of {len(ddp)} steps bitwise equal")
+          f"{sum(a == b for a, b in zip(ddp, ours))} of {len(ddp)} steps bitwise equal, largest difference "
+          f"{abs(ddp[worst] - ours[worst]):.3g} (step {worst + 1})")
     if args.plot:
         try:
             import matplotlib
