@@ -6,7 +6,7 @@ a ``Work`` also orders the current CUDA stream after the collective, which is wh
 streams of its own (see DESIGN.md §4). Version shims and backend-specific choices live here too.
 """
 
-from typing import Union
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -38,16 +38,17 @@ def group_size(group: ProcessGroup) -> int:
 def all_gather_into(output: torch.Tensor, local_shard: torch.Tensor, group: ProcessGroup) -> Union[Work, "PairwiseExchange"]:
     """Gather equal shards into one flat ``output`` (rank r's shard lands at ``r * shard.numel()``)."""
     if _is_gloo_pair(group):
-        return PairwiseExchange(output, local_shard, local_shard, group, add_own=False)
+        own, peer = _own_and_peer_chunks(output, local_shard.numel(), group)
+        own.copy_(local_shard)
+        return PairwiseExchange(peer, local_shard, group)
     return _all_gather_single(output, local_shard, group=group, async_op=True)
 
 
 def reduce_scatter_into(output: torch.Tensor, unsharded: torch.Tensor, group: ProcessGroup) -> Union[Work, "PairwiseExchange"]:
     """Sum ``unsharded`` over the ranks and keep this rank's chunk in ``output`` (once waited for)."""
     if _is_gloo_pair(group):
-        chunk = output.numel()
-        own, peer = (unsharded[r * chunk : (r + 1) * chunk] for r in (group_rank(group), 1 - group_rank(group)))
-        return PairwiseExchange(output, peer, own, group, add_own=True)
+        own, peer = _own_and_peer_chunks(unsharded, output.numel(), group)
+        return PairwiseExchange(output, peer, group, add_on_wait=own)
     return _reduce_scatter_single(output, unsharded, group=group, async_op=True)
 
 
@@ -55,35 +56,36 @@ def _is_gloo_pair(group: ProcessGroup) -> bool:
     return group_size(group) == 2 and dist.get_backend(group) == dist.Backend.GLOO
 
 
+def _own_and_peer_chunks(flat: torch.Tensor, chunk: int, group: ProcessGroup) -> Tuple[torch.Tensor, torch.Tensor]:
+    rank = group_rank(group)
+    return flat[rank * chunk : (rank + 1) * chunk], flat[(1 - rank) * chunk : (2 - rank) * chunk]
+
+
 class PairwiseExchange:
     """All-gather and reduce-scatter between two gloo ranks as what they are: each rank sends its peer
     one chunk. Gloo's own collectives took about twice as long for the same bytes (2 CPU ranks,
     median of 25: a 3 MiB all-gather 2.5 vs 1.1 ms, a 3 MiB reduce-scatter 6.9 vs 3.4 ms).
 
-    All-gather: ``send`` is the local shard; the peer's shard lands in its slot of ``output`` and the
-    own shard is copied into the other slot. Reduce-scatter: ``send`` is the peer's chunk of the
-    unsharded gradient; the received chunk lands in ``output`` and the own chunk is added on
-    ``wait()``. Two-term float addition commutes exactly, so the sum is bitwise the reduce-scatter's.
+    ``send`` goes to the peer and the peer's chunk lands in ``received``. All-gather: ``send`` is the
+    local shard and ``received`` the peer's slot of the output (the caller copies the own slot).
+    Reduce-scatter: ``send`` is the peer's chunk of the unsharded gradient, ``received`` the output,
+    and ``add_on_wait`` the own chunk. Two-term float addition commutes exactly, so the sum is
+    bitwise the reduce-scatter's.
     """
 
-    def __init__(self, output: torch.Tensor, send: torch.Tensor, own: torch.Tensor, group: ProcessGroup, add_own: bool) -> None:
-        rank = group_rank(group)
-        chunk = send.numel()
-        splits = [chunk if r != rank else 0 for r in range(2)]
-        if add_own:
-            received, self._add = output, own
-        else:
-            received, self._add = output[(1 - rank) * chunk : (2 - rank) * chunk], None
-            output[rank * chunk : (rank + 1) * chunk].copy_(own)
-        self._output = output
+    def __init__(self, received: torch.Tensor, send: torch.Tensor, group: ProcessGroup,
+                 add_on_wait: Optional[torch.Tensor] = None) -> None:
+        splits = [0, 0]
+        splits[1 - group_rank(group)] = send.numel()
+        self._received, self._add_on_wait = received, add_on_wait
         self._work = dist.all_to_all_single(
             received, send, output_split_sizes=splits, input_split_sizes=splits, group=group, async_op=True
         )
 
     def wait(self) -> bool:
         self._work.wait()
-        if self._add is not None:
-            self._output.add_(self._add)
+        if self._add_on_wait is not None:
+            self._received.add_(self._add_on_wait)
         return True
 
 
