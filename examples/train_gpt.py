@@ -21,6 +21,7 @@ from typing import Iterable, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
 import fsdp1
@@ -95,10 +96,12 @@ def progress(steps: int, enabled: bool) -> Iterable[int]:
 
 
 def state_bytes(model: nn.Module, optim: torch.optim.Optimizer) -> int:
-    """Bytes of this rank's parameters, gradients and optimizer state (distinct storages)."""
+    """Bytes of this rank's parameters, gradients and optimizer state: each storage once, and a
+    DTensor's local shard (FSDP2's parameters and their optimizer state) rather than its wrapper."""
     tensors = list(model.parameters()) + [p.grad for p in model.parameters() if p.grad is not None]
     tensors += [t for state in optim.state.values() for t in state.values() if torch.is_tensor(t)]
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+    storages = {(t.to_local() if isinstance(t, DTensor) else t).untyped_storage() for t in tensors}
+    return sum(storage.nbytes() for storage in storages)
 
 
 def batches(data: torch.Tensor, block_size: int, batch_size: int, seed: int):

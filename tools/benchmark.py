@@ -14,8 +14,9 @@ Per variant it reports:
   spread is noise;
 * bytes all-gathered, reduce-scattered and all-reduced per rank and step, counted by a dispatch mode
   on the c10d operators in a separate step, against the minimum for the strategy;
-* peak memory per rank over two training steps, counted by ``LiveStorageTracker`` from the model's
-  construction on, and beside it the dry-run prediction of ``memory_estimator``;
+* peak memory per rank over two training steps, counted by ``memory_estimator.measure`` (live
+  storage from the model's construction on), and beside it the same count of the estimator's dry
+  run on the meta device;
 * parameters + gradients + optimizer state per rank after the optimizer step, against (P+G+O)/N.
 
 Output: a table on the terminal, a JSON file, and a PNG plot next to it when matplotlib is installed.
@@ -36,8 +37,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from live_memory import LiveStorageTracker
-from memory_estimator import ESTIMATED, estimate, fake_process_group
+from memory_estimator import ESTIMATED, estimate, fake_process_group, measure
 from workload import ANCHOR, VARIANTS, GPTSize, make_optimizer
 
 MIB = 2**20
@@ -72,17 +72,6 @@ def _nbytes(obj) -> int:
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
     return sum(_nbytes(o) for o in obj) if isinstance(obj, (list, tuple)) else 0
-
-
-def _state_bytes(model, optim) -> int:
-    """Bytes of the distinct storages behind parameters, gradients and optimizer state on this rank."""
-    tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters() if p.grad is not None]
-    tensors += [v for state in optim.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    storages = {}
-    for t in tensors:
-        storage = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
 
 
 class Rank:
@@ -151,18 +140,7 @@ class Rank:
         """Peak live storage over two steps, counted from construction; the state after a step."""
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        with LiveStorageTracker() as tracker:
-            model, optim = self.build(name)
-            tracker.reset_peak()
-            for i in range(2):
-                step_start = tracker.live
-                loss = self.size.loss(model, self.batches[i])
-                loss.backward()
-                optim.step()
-                state = _state_bytes(model, optim)
-                optim.zero_grad(set_to_none=True)
-            result = dict(step_start=step_start, peak=tracker.peak, state=state)
-            del model, optim, loss
+        result = vars(measure(self.size, lambda: copy.deepcopy(self.base), VARIANTS[name], self.device, self.batches[:2]))
         if self.device.type == "cuda":
             result["cuda_max_allocated"] = torch.cuda.max_memory_allocated(self.device)
         return result

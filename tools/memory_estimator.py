@@ -9,22 +9,24 @@ data, but every tensor is created with its real size, so counting the live stora
 (``LiveStorageTracker``) gives the peak one rank of a real run reaches: parameters, gradients,
 optimizer state, activations, unsharded units and every temporary, as each exists at that moment.
 
-From Python, ``estimate(size, wrapper, world_size)`` does the same for any variant of
-``workload.VARIANTS`` that runs on the meta device under a fake group (fsdp1's, and ``local``);
-pass your own ``GPTSize`` or adapt ``estimate`` to your model's factory and loss. DDP refuses the
-fake group, so it has no estimate.
+From Python, ``estimate(size, wrapper)`` does the same for any variant of ``workload.VARIANTS``
+that runs on the meta device under a fake group (fsdp1's, and ``local``); pass your own
+``GPTSize`` or adapt ``estimate`` to your model's factory and loss. DDP refuses the fake group, so
+it has no estimate. ``measure`` is the same count on any device; the benchmark and the tests use it
+for real runs, so prediction and measurement are counted by one piece of code.
 """
 
 import argparse
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from live_memory import LiveStorageTracker
-from workload import VARIANTS, GPTSize, Wrapper, make_optimizer
+from workload import VARIANTS, GPTSize, Wrapper, make_optimizer, state_bytes
 
 META = torch.device("meta")
 ESTIMATED = [name for name in VARIANTS if name.startswith("fsdp1_") or name == "local"]
@@ -32,12 +34,14 @@ ESTIMATED = [name for name in VARIANTS if name.startswith("fsdp1_") or name == "
 
 
 @dataclass(frozen=True)
-class MemoryEstimate:
-    """Bytes per rank: alive when a training step starts (after ``zero_grad(set_to_none=True)``),
-    and the most alive at any moment of a training step."""
+class StepMemory:
+    """Bytes per rank: alive when the last training step starts (after ``zero_grad(set_to_none=True)``),
+    the most alive at any moment of the steps, and parameters + gradients + optimizer state right
+    after the last optimizer step."""
 
     step_start: int
     peak: int
+    state: int
 
 
 @contextlib.contextmanager
@@ -52,23 +56,32 @@ def fake_process_group(world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def estimate(size: GPTSize, wrapper: Wrapper, steps: int = 2) -> MemoryEstimate:
-    """Dry-run ``steps`` training steps of the wrapped model on the meta device; needs a process group
-    (see ``fake_process_group``) unless ``wrapper`` is ``local``."""
-    tokens = size.make_batch(torch.Generator().manual_seed(0), META)
+def measure(size: GPTSize, make_model: Callable[[], nn.Module], wrapper: Wrapper, device: torch.device,
+            batches: Sequence[torch.Tensor]) -> StepMemory:
+    """Build and wrap the model under a ``LiveStorageTracker`` and train one step per batch; the peak
+    counts from the first step on. Needs a process group unless ``wrapper`` is ``local``."""
     with LiveStorageTracker() as tracker:
-        with META:
-            model = size.make_model()
-        model = wrapper(model, META)
+        model = wrapper(make_model(), device)
         optim = make_optimizer(model)
-        step_start = tracker.live
         tracker.reset_peak()
-        for _ in range(steps):
+        for tokens in batches:
             step_start = tracker.live
             size.loss(model, tokens).backward()
             optim.step()
+            state = state_bytes(model, optim)
             optim.zero_grad(set_to_none=True)
-        return MemoryEstimate(step_start, tracker.peak)
+        return StepMemory(step_start, tracker.peak, state)
+
+
+def _meta_model(size: GPTSize) -> nn.Module:
+    with META:
+        return size.make_model()
+
+
+def estimate(size: GPTSize, wrapper: Wrapper, steps: int = 2) -> StepMemory:
+    """Dry-run ``steps`` training steps of the wrapped model on the meta device (see ``measure``)."""
+    tokens = size.make_batch(torch.Generator().manual_seed(0), META)
+    return measure(size, lambda: _meta_model(size), wrapper, META, [tokens] * steps)
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ from torch.nn import functional as F
 import fsdp1
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from train_gpt import GPT, Block  # noqa: E402 - the example's model, so every tool measures the same code
+from train_gpt import GPT, Block, state_bytes  # noqa: E402,F401 - the example's model and its memory count, so every tool measures the same code
 
 
 @dataclass(frozen=True)
