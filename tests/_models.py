@@ -1,7 +1,7 @@
 """Small models and helpers shared by the multi-rank tests (imported on every rank)."""
 
 import copy
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -132,26 +132,33 @@ def plain_params(model: nn.Module) -> Dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in module.named_parameters()}
 
 
-def wrap_fsdp1(model: nn.Module, strategy: str = "FULL_SHARD", use_orig_params: bool = False, wrap_classes=(Block,)) -> nn.Module:
-    """fsdp1 with one unit per instance of ``wrap_classes`` (none if empty) plus the root."""
+def wrap_fsdp1(model: nn.Module, strategy: str = "FULL_SHARD", use_orig_params: bool = False, wrap_classes=(Block,),
+               backward_prefetch: Optional[str] = "BACKWARD_PRE", forward_prefetch: bool = False) -> nn.Module:
+    """fsdp1 with one unit per instance of ``wrap_classes`` (none if empty) plus the root; enum
+    arguments by member name, defaults as torch's."""
     return fsdp1.FullyShardedDataParallel(
         model,
         sharding_strategy=fsdp1.ShardingStrategy[strategy],
         auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy(set(wrap_classes)) if wrap_classes else None,
+        backward_prefetch=backward_prefetch and fsdp1.BackwardPrefetch[backward_prefetch],
+        forward_prefetch=forward_prefetch,
         use_orig_params=use_orig_params,
     )
 
 
-def wrap_torch_fsdp(model: nn.Module, strategy: str = "FULL_SHARD", use_orig_params: bool = False, wrap_classes=(Block,)) -> nn.Module:
+def wrap_torch_fsdp(model: nn.Module, strategy: str = "FULL_SHARD", use_orig_params: bool = False, wrap_classes=(Block,),
+                    backward_prefetch: Optional[str] = "BACKWARD_PRE", forward_prefetch: bool = False) -> nn.Module:
     """torch's FSDP1, wrapped exactly as ``wrap_fsdp1`` wraps, on CPU."""
+    from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
-    from torch.distributed.fsdp import ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     return TorchFSDP(
         model,
         sharding_strategy=ShardingStrategy[strategy],
         auto_wrap_policy=ModuleWrapPolicy(set(wrap_classes)) if wrap_classes else None,
+        backward_prefetch=backward_prefetch and BackwardPrefetch[backward_prefetch],
+        forward_prefetch=forward_prefetch,
         use_orig_params=use_orig_params,
         device_id=torch.device("cpu"),
     )

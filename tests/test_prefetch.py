@@ -9,15 +9,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import BackwardPrefetch as TorchBackwardPrefetch
-from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsdp1
 from _harness import run_on_ranks
 from _models import (
     LAYERS,
-    Block,
     batch,
     fsdp1_full_params,
     lm_loss,
@@ -26,34 +23,18 @@ from _models import (
     plain_params,
     torch_fsdp_full_params,
     train,
+    wrap_fsdp1,
+    wrap_torch_fsdp,
 )
 
 BACKWARD_PREFETCH = [None, "BACKWARD_PRE", "BACKWARD_POST"]
 
 
-def _wrap_both(base, backward_prefetch, forward_prefetch, use_orig_params):
-    def kwargs(enum):
-        return dict(
-            backward_prefetch=None if backward_prefetch is None else enum[backward_prefetch],
-            forward_prefetch=forward_prefetch,
-            use_orig_params=use_orig_params,
-        )
-
-    ours = fsdp1.FullyShardedDataParallel(
-        copy.deepcopy(base), auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({Block}), **kwargs(fsdp1.BackwardPrefetch)
-    )
-    theirs = TorchFSDP(
-        copy.deepcopy(base),
-        auto_wrap_policy=torch.distributed.fsdp.wrap.ModuleWrapPolicy({Block}),
-        device_id=torch.device("cpu"),
-        **kwargs(TorchBackwardPrefetch),
-    )
-    return ours, theirs
-
-
 def _parity(backward_prefetch, forward_prefetch, use_orig_params):
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    ours, theirs = _wrap_both(make_gpt(), backward_prefetch, forward_prefetch, use_orig_params)
+    options = dict(use_orig_params=use_orig_params, backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch)
+    base = make_gpt()
+    ours, theirs = wrap_fsdp1(copy.deepcopy(base), **options), wrap_torch_fsdp(copy.deepcopy(base), **options)
     losses = (train(ours, 4, world_size, rank), train(theirs, 4, world_size, rank))
     return losses, max_relative_error(fsdp1_full_params(ours), torch_fsdp_full_params(theirs))
 
@@ -80,11 +61,7 @@ def _observe_gathering(backward_prefetch, forward_prefetch):
     """Which units are gathered when each block starts its forward, starts its backward computation,
     and has its gradient reduced."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    prefetch = None if backward_prefetch is None else fsdp1.BackwardPrefetch[backward_prefetch]
-    model = fsdp1.FullyShardedDataParallel(
-        make_gpt(), auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({Block}),
-        backward_prefetch=prefetch, forward_prefetch=forward_prefetch,
-    )
+    model = wrap_fsdp1(make_gpt(), backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch)
     seen = {}
 
     def at_forward(name):
@@ -145,11 +122,7 @@ class SkipsABlock(nn.Module):
 def _changing_order(backward_prefetch):
     torch.manual_seed(0)
     base = SkipsABlock()
-    ours = fsdp1.FullyShardedDataParallel(
-        copy.deepcopy(base), auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({nn.Linear}),
-        backward_prefetch=None if backward_prefetch is None else fsdp1.BackwardPrefetch[backward_prefetch],
-        forward_prefetch=True,
-    )
+    ours = wrap_fsdp1(copy.deepcopy(base), wrap_classes=[nn.Linear], backward_prefetch=backward_prefetch, forward_prefetch=True)
     ddp = DDP(copy.deepcopy(base), find_unused_parameters=True)
     losses = []
     for model in (ours, ddp):
