@@ -10,13 +10,19 @@ invariants:
   a gradient that is already in reduce-scatter layout (no copy before the collective).
 * Resharding frees the unsharded buffer's storage in place (``resize_(0)``) and unsharding refills
   the same storage, so views saved by autograd in forward are valid again in backward.
+* Outside a unit's own forward the module sees no view of freed storage: with use_orig_params the
+  original ``nn.Parameter`` objects (viewing this rank's shard), otherwise placeholders that raise a
+  clear error on use, or views while the storage is alive.
+* Parameters are compared by identity only: ``==`` between tensors is elementwise, so no tensor is
+  ever a member of a set of weak references or a key compared by value (issue 7, tied weights).
 """
 
+import contextlib
 import dataclasses
 import weakref
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -33,6 +39,9 @@ from ._shard_math import (
 )
 
 FLAT_PARAM = "_flat_param"
+FLATTENED = "_fsdp_flattened"
+"""Marks an original parameter that a unit has flattened (torch's name), so that wrapping the same
+module object twice is refused instead of flattening shard views a second time."""
 
 
 class _FlatParameterMeta(type(nn.Parameter)):
@@ -77,6 +86,54 @@ class ParamSlot:
     param: Optional[nn.Parameter]
 
 
+class ShardedParamPlaceholder(torch.Tensor):
+    """What ``module.<name>`` holds for an original parameter while its unit is sharded and
+    use_orig_params=False: the parameter's data is spread over the ranks, so nothing local can be
+    read (a view of the freed unsharded storage would read out of bounds). Shape, dtype and device
+    answer; any other use raises an error naming the parameter and the fix."""
+
+    _METADATA = frozenset(
+        [
+            torch.Tensor.shape.__get__,
+            torch.Tensor.ndim.__get__,
+            torch.Tensor.dtype.__get__,
+            torch.Tensor.device.__get__,
+            torch.Tensor.requires_grad.__get__,
+            torch.Tensor.size,
+            torch.Tensor.dim,
+            torch.Tensor.numel,
+        ]
+    )
+    _fqn: str
+
+    @staticmethod
+    def __new__(cls, fqn: str, shape: torch.Size, like: torch.Tensor) -> "ShardedParamPlaceholder":
+        placeholder = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=like.dtype, device=like.device)
+        placeholder._fqn = fqn
+        return placeholder
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        if func in cls._METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        placeholder = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, cls))
+        raise RuntimeError(
+            f"fsdp1: parameter '{placeholder._fqn}' is sharded across the ranks outside its unit's forward "
+            "and backward (use_orig_params=False), so this rank has no full value to use here. Read or change "
+            "it inside `with FullyShardedDataParallel.summon_full_params(model):`, or initialise it with "
+            "`model.apply(fn)`, which gathers it for fn; with use_orig_params=True the parameter stays "
+            "readable as this rank's shard."
+        )
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        cls.__torch_function__(func, types, args, kwargs)
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"ShardedParamPlaceholder('{self._fqn}', shape={tuple(self.shape)}: sharded, use summon_full_params)"
+
+
 class HandleState(Enum):
     """Where the flat parameter's data lives."""
 
@@ -110,11 +167,16 @@ class GradReduction:
 
 
 class FlatParamHandle:
-    """Flattens, shards, unshards and reshards one unit's parameters and reduces their gradient."""
+    """Flattens, shards, unshards and reshards one unit's parameters and reduces their gradient.
+
+    ``owner`` is the module whose ``_parameters`` holds the FlatParameter (use_orig_params=False), so
+    that ``module.parameters()`` and the optimizer see it.
+    """
 
     def __init__(
         self,
         slots: Sequence[ParamSlot],
+        owner: nn.Module,
         group: comm.ProcessGroup,
         is_sharded: bool,
         use_orig_params: bool,
@@ -124,8 +186,9 @@ class FlatParamHandle:
         self.world_size = comm.group_size(group)
         self.is_sharded = is_sharded
         self.use_orig_params = use_orig_params
+        self._owner = owner
         self._slots, self._shared_slots = _split_shared(slots)
-        self._managed_params = weakref.WeakSet(slot.param for slot in slots)
+        self._managed_params: Dict[int, "weakref.ref[nn.Parameter]"] = {id(s.param): weakref.ref(s.param) for s in slots}
         self._pre_divide, self._post_divide = gradient_divide_factors(self.world_size)
 
         first = self._slots[0].param
@@ -148,14 +211,18 @@ class FlatParamHandle:
         self.flat_param = FlatParameter(self._local_shard, requires_grad=requires_grad)
         self._set_flat_param_metadata(chunk)
         self._unsharded_buffer = unsharded
+        self._placeholders = self._make_placeholders("")
+        for slot in self._slots:
+            setattr(slot.param, FLATTENED, True)
         self._install_initial_views()
         self.state = HandleState.UNSHARDED
         if is_sharded:
-            _free_storage(self._unsharded_buffer)
-            self.state = HandleState.SHARDED
+            self._free_unsharded()
         self.training_state = HandleTrainingState.IDLE
         self._gather_work: "Optional[comm.Work | comm.PairwiseExchange]" = None
-        self._reduced_grad: Optional[torch.Tensor] = None  # reduced gradient accumulated this step
+        self._backward_started = False  # this backward has moved the optimizer's gradient aside
+        self._grad_before_backward: Optional[torch.Tensor] = None  # sharded gradient of earlier backwards
+        self._grad_this_backward: Optional[torch.Tensor] = None  # this backward's reduced gradient
         self._grad_is_unreduced = False  # flat_param.grad holds local sums (inside no_sync)
         self._orig_grad_views: List[Optional[torch.Tensor]] = []
 
@@ -186,6 +253,16 @@ class FlatParamHandle:
         flat._sharded_size = torch.Size([chunk])
         flat._shard_numel_padded = self._span.numel_padded
 
+    def _make_placeholders(self, path: str) -> List[torch.Tensor]:
+        prefix = f"{path}." if path else ""
+        return [ShardedParamPlaceholder(prefix + s.fqn, shape, self._local_shard) for s, shape in zip(self._slots, self._shapes)]
+
+    def set_path(self, path: str) -> None:
+        """The unit's clean path from its root, so that errors name parameters as the user's model does."""
+        self._placeholders = self._make_placeholders(path)
+        if self.state is HandleState.SHARDED and not self.use_orig_params:
+            self._install(self._placeholders, as_parameters=False)
+
     def _views_of_local_part(self, local: torch.Tensor) -> List[torch.Tensor]:
         """Each parameter's part of a shard-sized tensor: 1-D slices when sharded, full shapes if not."""
         views = []
@@ -196,18 +273,22 @@ class FlatParamHandle:
 
     def _install_initial_views(self) -> None:
         """use_orig_params keeps the original Parameters, now viewing the shard; otherwise the
-        Parameters leave the module and plain views of the unsharded buffer take their names."""
+        Parameters leave the module, the FlatParameter joins the owner, and views of the unsharded
+        buffer take the original names."""
         if self.use_orig_params:
-            with torch.no_grad():
-                for slot, view in zip(self._slots, self._views_of_local_part(self._local_shard)):
-                    slot.param.data = view
+            self._point_orig_params_at_shard()
             return
-        views = self._unflatten(self._unsharded_buffer.detach())
         for slot in self._all_slots():
             del slot.module._parameters[slot.attr]
         self._slots = tuple(dataclasses.replace(slot, param=None) for slot in self._slots)
         self._shared_slots = tuple((dataclasses.replace(slot, param=None), i) for slot, i in self._shared_slots)
-        self._install(views, as_parameters=False)
+        self._owner._parameters[FLAT_PARAM] = self.flat_param
+        self._install(self._unflatten(self._unsharded_buffer.detach()), as_parameters=False)
+
+    def _point_orig_params_at_shard(self) -> None:
+        with torch.no_grad():
+            for slot, view in zip(self._slots, self._views_of_local_part(self._local_shard)):
+                slot.param.data = view
 
     # ----------------------------------------------------------------------------- queries
     @property
@@ -215,7 +296,8 @@ class FlatParamHandle:
         return self.flat_param._fqns
 
     def manages(self, param: nn.Parameter) -> bool:
-        return param in self._managed_params
+        ref = self._managed_params.get(id(param))
+        return ref is not None and ref() is param
 
     # ----------------------------------------------------------------------------- unshard / reshard
     def unshard(self) -> None:
@@ -243,9 +325,37 @@ class FlatParamHandle:
         gradients (None when no gradient will flow), so that the runtime can act just before that
         gradient is allocated.
         """
+        if self.use_orig_params:
+            self._sync_requires_grad()
         pieces = torch.split(self.flat_param, self._split_sizes)
         self._install(self._param_views(pieces), as_parameters=self.use_orig_params)
         return pieces[0].grad_fn
+
+    def _sync_requires_grad(self) -> None:
+        """The flat parameter needs a gradient while any original one does (frozen or unfrozen after
+        wrapping, issue 7)."""
+        requires_grad = any(slot.param.requires_grad for slot in self._slots)
+        if self.flat_param.requires_grad != requires_grad:
+            self.flat_param.requires_grad_(requires_grad)
+
+    def use_resting_views(self) -> None:
+        """Outside the unit's computation the module holds, with use_orig_params, the original
+        Parameters (viewing this rank's shard), so that ``parameters()`` never yields a view; without
+        it, views of the gathered buffer outside autograd, which stay readable after an optimizer
+        step changed the flat parameter in place."""
+        if self.use_orig_params:
+            for slot in self._all_slots():
+                slot.module._parameters[slot.attr] = slot.param
+        else:
+            self._install(self._unflatten(self._unsharded_buffer.detach()), as_parameters=False)
+
+    def keep_gathered_for_backward(self) -> None:
+        """End of a forward after which the unit stays gathered for its backward (the root, SHARD_GRAD_OP):
+        until the backward re-points it, the flat parameter shows the shard and the module the original
+        parameters, so that an optimizer step in between (no backward came) updates the shard."""
+        self.use_resting_views()
+        if self.is_sharded:
+            self.flat_param.data = self._local_shard
 
     def reshard(self) -> None:
         """Point everything back at the local shard and free the unsharded storage (no-op when sharded:
@@ -256,14 +366,19 @@ class FlatParamHandle:
         if self.state is HandleState.UNSHARDING:
             self._gather_work.wait()
             self._gather_work = None
-        if self.use_orig_params:
-            for slot in self._all_slots():
-                slot.module._parameters[slot.attr] = slot.param
         if not self.is_sharded:
+            self.use_resting_views()
             return
         self.flat_param.data = self._local_shard
+        self._free_unsharded()
+
+    def _free_unsharded(self) -> None:
         _free_storage(self._unsharded_buffer)
         self.state = HandleState.SHARDED
+        if self.use_orig_params:
+            self.use_resting_views()
+        else:
+            self._install(self._placeholders, as_parameters=False)
 
     def _unflatten(self, flat: torch.Tensor) -> List[torch.Tensor]:
         return self._param_views(torch.split(flat, self._split_sizes))
@@ -272,39 +387,148 @@ class FlatParamHandle:
         """Each parameter's piece of the split unsharded flat parameter, in its own shape."""
         return [pieces[i].view(shape) for i, shape in zip(self._piece_of_param, self._shapes)]
 
-    def _install(self, views: List[torch.Tensor], as_parameters: bool) -> None:
-        """Register ``views`` under the original names: in ``_parameters`` for use_orig_params (so the
-        names stay visible), else as plain attributes. Frozen parameters get detached views, so autograd
-        computes no gradient for them."""
-        for slot, view in zip(self._slots, views):
-            if as_parameters:
-                slot.module._parameters[slot.attr] = view if slot.param.requires_grad else view.detach()
+    def _install(self, tensors: Sequence[torch.Tensor], as_parameters: bool) -> None:
+        """Register ``tensors`` under the original names: in ``_parameters`` (use_orig_params, and
+        inside summon_full_params, so the names stay visible), else as plain attributes. Frozen
+        original parameters get detached views, so autograd computes no gradient for them."""
+        for slot, tensor in zip(self._slots, tensors):
+            if not as_parameters:
+                slot.module.__dict__[slot.attr] = tensor
+            elif slot.param is not None and not slot.param.requires_grad:
+                slot.module._parameters[slot.attr] = tensor.detach()
             else:
-                slot.module.__dict__[slot.attr] = view
+                slot.module._parameters[slot.attr] = tensor
         for slot, primary in self._shared_slots:
+            first = self._slots[primary]
+            source = first.module._parameters if as_parameters else first.module.__dict__
             target = slot.module._parameters if as_parameters else slot.module.__dict__
-            target[slot.attr] = getattr(self._slots[primary].module, self._slots[primary].attr)
+            target[slot.attr] = source[first.attr]
 
     def _all_slots(self) -> List[ParamSlot]:
         return list(self._slots) + [slot for slot, _ in self._shared_slots]
 
+    # ----------------------------------------------------------------------------- full parameters
+    @contextlib.contextmanager
+    def full_params(self, writeback: bool) -> Iterator[None]:
+        """Within, the module holds every original parameter unsharded as an ``nn.Parameter`` (the
+        originals themselves with use_orig_params), outside autograd; on exit with ``writeback`` this
+        rank keeps its shard of what they hold then, including data the caller replaced."""
+        was_sharded = self.state is not HandleState.UNSHARDED
+        self.unshard()
+        self.wait_unshard()
+        views = self._unflatten(self._unsharded_buffer.detach())
+        exposed = self._expose_full_params(views)
+        try:
+            yield
+        finally:
+            if writeback:
+                self._write_back_full_params(views, exposed)
+            self._hide_full_params()
+            if was_sharded:
+                self.reshard()
+            else:
+                self.use_resting_views()
+
+    def _expose_full_params(self, views: List[torch.Tensor]) -> List[nn.Parameter]:
+        if self.use_orig_params:
+            for slot, view in zip(self._slots, views):
+                slot.param.data = view
+            self.use_resting_views()
+            return [slot.param for slot in self._slots]
+        requires_grad = self.flat_param.requires_grad
+        exposed = [nn.Parameter(view, requires_grad=requires_grad) for view in views]
+        del self._owner._parameters[FLAT_PARAM]
+        for slot in self._all_slots():
+            del slot.module.__dict__[slot.attr]
+        self._install(exposed, as_parameters=True)
+        return exposed
+
+    def _write_back_full_params(self, views: List[torch.Tensor], exposed: List[nn.Parameter]) -> None:
+        with torch.no_grad():
+            for slot, view, param in zip(self._slots, views, exposed):
+                if param.data_ptr() == view.data_ptr():
+                    continue
+                if param.shape != view.shape:
+                    raise ValueError(
+                        f"fsdp1: parameter '{slot.fqn}' changed shape from {tuple(view.shape)} to "
+                        f"{tuple(param.shape)} inside summon_full_params; FSDP can only write back values of "
+                        "the same shape. Change values in place (e.g. param.copy_(...)) instead."
+                    )
+                view.copy_(param)
+            if self.is_sharded:
+                chunk = self._local_shard.numel()
+                self._local_shard.copy_(self._unsharded_buffer[self.rank * chunk : (self.rank + 1) * chunk])
+
+    def _hide_full_params(self) -> None:
+        if self.use_orig_params:
+            self._point_orig_params_at_shard()
+            return
+        for slot in self._all_slots():
+            del slot.module._parameters[slot.attr]
+        self._owner._parameters[FLAT_PARAM] = self.flat_param
+
+    # ----------------------------------------------------------------------------- module conversions
+    @contextlib.contextmanager
+    def flat_param_registered(self) -> Iterator[None]:
+        """Within, the owner holds the FlatParameter in place of the originals (use_orig_params), so
+        that ``nn.Module._apply`` (``.to``, ``.double()``, ...) converts the one tensor that owns the
+        storage; ``adopt_converted_flat_param`` then rebuilds everything derived from it."""
+        self.reshard()
+        if not self.use_orig_params:
+            yield
+            return
+        for slot in self._all_slots():
+            del slot.module._parameters[slot.attr]
+        self._owner._parameters[FLAT_PARAM] = self.flat_param
+        try:
+            yield
+        finally:
+            del self._owner._parameters[FLAT_PARAM]
+            self.use_resting_views()
+
+    def adopt_converted_flat_param(self) -> None:
+        """After a dtype or device conversion of the (sharded) flat parameter: the local shard, the
+        unsharded buffer, the views and the gradient views follow it."""
+        self._local_shard = self.flat_param.data
+        if self.is_sharded:
+            self._unsharded_buffer = self._local_shard.new_empty(self._padded_numel)
+            self._free_unsharded()
+        else:
+            self._unsharded_buffer = self._local_shard
+        self._placeholders = [ShardedParamPlaceholder(p._fqn, p.shape, self._local_shard) for p in self._placeholders]
+        if self.use_orig_params:
+            self._point_orig_params_at_shard()
+        elif self.is_sharded:
+            self._install(self._placeholders, as_parameters=False)
+        else:
+            self._install(self._unflatten(self._unsharded_buffer.detach()), as_parameters=False)
+        if not self._grad_is_unreduced:
+            self._set_grad_for_optim(self.flat_param.grad)
+
     # ----------------------------------------------------------------------------- gradients
     def prepare_gradient_for_backward(self) -> None:
-        """Move last step's reduced gradient aside so this step's reduction accumulates onto it.
+        """Once per backward, before autograd accumulates this unit's unsharded gradient: move the
+        optimizer's sharded gradient aside, so that this backward's reduction adds onto it.
 
+        Doing this when the gradient is about to arrive, not at the next forward, keeps ``.grad``
+        intact through forwards that no backward follows (a metric between backward and step).
         A gradient left unreduced by ``no_sync`` stays on ``flat_param.grad``, where autograd adds
-        this step's local gradient to it.
+        this backward's local gradient to it.
         """
+        if self._backward_started:
+            return
+        self._backward_started = True
         if self._grad_is_unreduced:
             return
-        if self.use_orig_params:
-            self._write_back_orig_grads()
-        self._reduced_grad = self.flat_param.grad
+        self.write_back_orig_grads()
+        self._grad_before_backward = self.flat_param.grad
         self.flat_param.grad = None
 
-    def _write_back_orig_grads(self) -> None:
-        """Carry what the user did to the original parameters' ``.grad`` into the flat gradient:
-        ``None`` (``zero_grad``) zeroes that part, a replaced tensor is copied in."""
+    def write_back_orig_grads(self) -> None:
+        """use_orig_params: carry what the user did to the original parameters' ``.grad`` into the flat
+        gradient: ``None`` (``zero_grad``) zeroes that part, and frees the flat gradient once every
+        part is ``None``; a replaced tensor is copied in. Idempotent, so the root runs it at every
+        forward (freeing zeroed gradients before the forward, as torch's) and backward runs it again."""
         flat_grad = self.flat_param.grad
         if flat_grad is None or not self._orig_grad_views:
             return
@@ -320,8 +544,8 @@ class FlatParamHandle:
                 any_grad = True
                 if grad is not view:
                     view.copy_(grad)
-        self._orig_grad_views = []
         if not any_grad:
+            self._orig_grad_views = []
             self.flat_param.grad = None
 
     def reduce_grad(self) -> GradReduction:
@@ -347,26 +571,45 @@ class FlatParamHandle:
     def _accumulate_reduced_grad(self, reduced: torch.Tensor) -> None:
         if self._post_divide > 1:
             reduced.div_(self._post_divide)
-        if self._reduced_grad is None:
-            self._reduced_grad = reduced
+        if self._grad_this_backward is None:
+            self._grad_this_backward = reduced
         else:
-            self._reduced_grad += reduced
+            self._grad_this_backward += reduced
 
     def keep_grad_unreduced(self) -> None:
         """Inside ``no_sync``: leave the local gradient sum on ``flat_param.grad`` for later steps."""
         self._grad_is_unreduced = True
 
     def prepare_gradient_for_optim(self) -> None:
-        """Hand the reduced gradient to the optimizer: as the flat parameter's ``.grad``, and with
-        use_orig_params as views on the original parameters (``None`` for frozen ones and for those
-        with no element in this rank's shard, as torch's)."""
-        if self._grad_is_unreduced:
+        """End of backward: the optimizer's gradient is the earlier one plus this backward's reduction.
+        A unit this backward never reached keeps its gradient as it was."""
+        started, self._backward_started = self._backward_started, False
+        if self._grad_is_unreduced or not started:
             return
-        self.flat_param.grad = self._reduced_grad
-        self._reduced_grad = None
+        before, reduced = self._grad_before_backward, self._grad_this_backward
+        self._grad_before_backward = self._grad_this_backward = None
+        if before is not None and reduced is not None:
+            before += reduced
+        self._set_grad_for_optim(reduced if before is None else before)
+
+    def abandon_backward(self) -> None:
+        """Undo what an aborted forward or backward left: pending all-gather finished, this backward's
+        reductions dropped, the optimizer's gradient as it was before, the parameters sharded."""
+        self.reshard()
+        self.training_state = HandleTrainingState.IDLE
+        started, self._backward_started = self._backward_started, False
+        if started and not self._grad_is_unreduced:
+            self.flat_param.grad = None
+            self._set_grad_for_optim(self._grad_before_backward)
+        self._grad_before_backward = self._grad_this_backward = None
+
+    def _set_grad_for_optim(self, grad: Optional[torch.Tensor]) -> None:
+        """Hand ``grad`` to the optimizer: as the flat parameter's ``.grad``, and with use_orig_params as
+        views on the original parameters (``None`` for frozen ones and for those with no element in
+        this rank's shard, as torch's)."""
+        self.flat_param.grad = grad
         if not self.use_orig_params:
             return
-        grad = self.flat_param.grad
         if grad is None:
             self._orig_grad_views = []
             for slot in self._slots:
@@ -382,13 +625,14 @@ class FlatParamHandle:
 
 def _split_shared(slots: Sequence[ParamSlot]) -> Tuple[Tuple[ParamSlot, ...], Tuple[Tuple[ParamSlot, int], ...]]:
     """First occurrence of each parameter, and every later occurrence with its first's index."""
-    first_index: dict = {}
+    first_index: Dict[int, int] = {}  # id(param) -> index in unique: identity, never tensor ==
     unique, shared = [], []
     for slot in slots:
-        if slot.param in first_index:
-            shared.append((slot, first_index[slot.param]))
+        index = first_index.get(id(slot.param))
+        if index is not None:
+            shared.append((slot, index))
         else:
-            first_index[slot.param] = len(unique)
+            first_index[id(slot.param)] = len(unique)
             unique.append(slot)
     return tuple(unique), tuple(shared)
 

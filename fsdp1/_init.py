@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from torch import nn
 
 from . import _collectives as comm
-from ._flat_param import ParamSlot
+from ._flat_param import FLATTENED, FlatParameter, ParamSlot
 from ._traversal import clean_fqn, is_fsdp_unit, iter_param_slots
 from .api import CPUOffload, ShardingStrategy, coerce_enum
 from .wrap import AutoWrapPolicy, apply_wrap, plan_auto_wrap
@@ -109,11 +109,15 @@ def auto_wrap(
         slots = list(iter_param_slots(unit, prefix, stop))
         validate_unit_params(paths[unit], slots, use_orig_params)
         _check_not_shared_across_units(paths[unit], slots, owners)
+        _check_not_flattened(paths[unit], slots)
     apply_wrap(module, planned, wrapper_cls)
 
 
 def unit_param_slots(module: nn.Module, use_orig_params: bool) -> List[ParamSlot]:
-    """The parameters this unit flattens: those below it and not inside a nested unit, validated."""
+    """The parameters this unit flattens: those below it and not inside a nested unit, validated.
+    A unit around a unit (``FSDP(FSDP(m))``) flattens nothing: the inner one owns them all."""
+    if is_fsdp_unit(module):
+        return []
     slots = list(iter_param_slots(module))
     validate_unit_params("", slots, use_orig_params)
     owners = {
@@ -124,6 +128,7 @@ def unit_param_slots(module: nn.Module, use_orig_params: bool) -> List[ParamSlot
         if nested._handle.manages(slot.param)
     }
     _check_not_shared_across_units("", slots, owners)
+    _check_not_flattened("", slots)
     return slots
 
 
@@ -178,4 +183,17 @@ def _check_not_shared_across_units(unit_path: str, slots: Sequence[ParamSlot], o
                 f"fsdp1: parameter '{slot.fqn}' is shared between {here} and {where}; a parameter can "
                 "belong to one unit only. Wrap the modules that share it in one unit (e.g. leave the "
                 "tied embedding and output layer to their common parent)."
+            )
+
+
+def _check_not_flattened(unit_path: str, slots: Sequence[ParamSlot]) -> None:
+    """A parameter some other unit already flattened means the same module object is being wrapped a
+    second time; flattening its shard views again would train silently wrong."""
+    for slot in slots:
+        if isinstance(slot.param, FlatParameter) or getattr(slot.param, FLATTENED, False):
+            module = f"module '{unit_path}'" if unit_path else "the module"
+            raise ValueError(
+                f"fsdp1: {module} is already wrapped by another FullyShardedDataParallel instance (its "
+                f"parameter '{slot.fqn}' was flattened by it). Wrap each module object once; to nest units, "
+                "wrap the existing FullyShardedDataParallel instance instead of its module."
             )

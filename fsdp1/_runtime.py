@@ -5,7 +5,11 @@ One ``RootState`` per root is shared by every unit below it. Per iteration each 
 IDLE -> FORWARD_BACKWARD (pre-forward) -> IDLE (post-forward) -> FORWARD_BACKWARD (first output
 gradient) -> IDLE (root's final callback). The final callback is the one place that waits for every
 outstanding reduction, so after ``loss.backward()`` every ``.grad`` is in place and every unit is
-resharded as its strategy asks.
+resharded as its strategy asks. A root forward that finds a unit outside IDLE knows the previous
+forward or backward raised, and first undoes what it left (``RootState.recover``).
+
+The hooks run eagerly under ``torch.compile``: dynamo breaks the graph at each of them and compiles
+the module bodies between (``eager_only``).
 
 Prefetching starts a unit's all-gather one unit early, without waiting, so that it runs on the
 backend's threads (gloo) or stream (NCCL) while the current unit computes. ``ExecutionOrder`` says
@@ -13,10 +17,12 @@ which unit is next: backward runs units in the reverse of the order their forwar
 forward (with ``forward_prefetch``) repeats the first iteration's order.
 """
 
+import functools
+import sys
 from collections import deque
 from enum import Enum, auto
 from functools import partial
-from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Tuple, TypeVar
 
 import torch
 from torch.autograd import Variable
@@ -29,6 +35,26 @@ from .api import BackwardPrefetch, ShardingStrategy
 
 if TYPE_CHECKING:
     from .fully_sharded_data_parallel import FullyShardedDataParallel as Unit
+
+
+_Fn = TypeVar("_Fn", bound=Callable[..., Any])
+
+
+def eager_only(fn: _Fn) -> _Fn:
+    """Run ``fn`` outside any ``torch.compile`` graph: dynamo breaks the graph at the call and runs it
+    eagerly (its collectives, storage resizes and hook registrations cannot be traced). Dynamo is
+    only asked once it is loaded, so eager use never pays its import (about 2 s here)."""
+    disabled: List[Callable[..., Any]] = []
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if "torch._dynamo" not in sys.modules:
+            return fn(*args, **kwargs)
+        if not disabled:
+            disabled.append(torch._dynamo.disable(fn, recursive=True))
+        return disabled[0](*args, **kwargs)
+
+    return call  # type: ignore[return-value]
 
 
 class TrainingState(Enum):
@@ -119,6 +145,24 @@ class RootState:
     def path_of(self, unit: "Unit") -> str:
         return self.unit_paths.get(unit, "?")
 
+    def is_clean(self) -> bool:
+        """True unless a forward or backward raised part-way: then some unit is not IDLE, or the
+        backward queued its final callback and never ran it."""
+        return not self.is_final_callback_queued and all(u.training_state is TrainingState.IDLE for u in self.units)
+
+    def recover(self) -> None:
+        """Undo what an aborted forward or backward left, so that the next iteration trains as if it
+        had never started (issue 7): reductions in flight are finished and dropped, gradients are
+        those from before it, every unit is sharded and IDLE. A failed *collective* is not this case."""
+        while self._reductions:
+            self._reductions.popleft().work.wait()
+        for unit in self.units:
+            if unit._handle is not None:
+                unit._handle.abandon_backward()
+            unit.training_state = TrainingState.IDLE
+            unit._awaits_pre_backward = False
+        self.is_final_callback_queued = False
+
 
 def lazy_init(unit: "Unit") -> None:
     """Make ``unit`` the root of every unit below it, the first time it is used from the outside."""
@@ -130,43 +174,88 @@ def lazy_init(unit: "Unit") -> None:
         member._root_state = state
 
 
+def forget_roots(module: "torch.nn.Module") -> None:
+    """A new unit around units already used on their own makes them nested: decide roots afresh."""
+    for member in fsdp_units(module):
+        member._is_root = None
+        member._root_state = None
+
+
 def register_post_backward_hook(unit: "Unit") -> None:
-    """Reduce the unit's gradient as soon as autograd has accumulated it into the flat parameter."""
-    if unit._handle is not None and unit._handle.flat_param.requires_grad:
+    """Reduce the unit's gradient as soon as autograd has accumulated it into the flat parameter.
+    Registered at construction, or at the first forward that needs it, so that a unit frozen at wrap
+    time and unfrozen later still reduces its gradient."""
+    if unit._handle is not None and not unit._has_post_backward_hook and unit._handle.flat_param.requires_grad:
         unit._handle.flat_param.register_post_accumulate_grad_hook(partial(_post_backward, unit))
+        unit._has_post_backward_hook = True
 
 
+@eager_only
 def pre_forward(unit: "Unit", args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
     with record_function("FSDP::pre_forward"):
         lazy_init(unit)
         state = unit._root_state
         if unit._is_root:
-            _assert_idle(state, "forward")
+            if not state.is_clean() and not _inside_backward():
+                state.recover()
             state.order.start_forward()
             for member in state.units:
                 if member._handle is not None:
-                    member._handle.prepare_gradient_for_backward()
+                    _start_iteration(member)
             if unit.compute_device.type != "cpu":
                 args, kwargs = move_to_device((args, kwargs), unit.compute_device)
         unit.training_state = TrainingState.FORWARD_BACKWARD
-        if unit._handle is not None:
+        handle = unit._handle
+        if handle is not None:
             state.order.record_pre_forward(unit)
-            _gather(unit._handle, HandleTrainingState.FORWARD)
+            _gather(handle, HandleTrainingState.FORWARD)
             if unit.forward_prefetch:
                 _prefetch(state.order.next_in_forward(unit))
-            gradient_node = unit._handle.use_unsharded_views()
-            if gradient_node is not None and unit._handle.is_sharded:
-                gradient_node.register_prehook(partial(_before_unsharded_gradient, state))
+            gradient_node = handle.use_unsharded_views()
+            register_post_backward_hook(unit)
+            if gradient_node is not None:
+                gradient_node.register_prehook(partial(_before_unsharded_gradient, state, handle))
         return args, kwargs
 
 
+def _start_iteration(unit: "Unit") -> None:
+    """A unit still gathered by a forward whose backward never came (an eval forward with grad
+    enabled) may hold values an optimizer step has since changed: gather it afresh. Inside
+    ``no_sync`` SHARD_GRAD_OP keeps its gathered parameters on purpose, and no step comes between."""
+    if unit._sync_gradients:
+        unit._handle.reshard()
+    unit._handle.write_back_orig_grads()
+
+
+@eager_only
+def abort_forward(unit: "Unit") -> None:
+    """The forward raised: the root undoes what it left at once, so that an optimizer step or a state
+    dict taken next sees every unit sharded and its gradients as they were."""
+    if unit._is_root and not _inside_backward():
+        unit._root_state.recover()
+
+
+def _inside_backward() -> bool:
+    """A root forward inside a backward is a recomputation (activation checkpointing around the
+    root), not a new iteration."""
+    return torch._C._current_graph_task_id() != -1
+
+
+@eager_only
 def post_forward(unit: "Unit", output: Any) -> Any:
+    """End the unit's forward. A forward without grad has no backward to come, so every unit, the root
+    and SHARD_GRAD_OP ones included, reshards at once; otherwise FULL_SHARD units reshard and the root
+    stays gathered for backward. The module always sees its original parameters again."""
     with record_function("FSDP::post_forward"):
         handle = unit._handle
         if handle is not None:
             unit._root_state.order.record_post_forward(unit)
-            if unit.sharding_strategy is ShardingStrategy.FULL_SHARD and not unit._is_root:
+            if not torch.is_grad_enabled() or (
+                unit.sharding_strategy is ShardingStrategy.FULL_SHARD and not unit._is_root
+            ):
                 handle.reshard()
+            else:
+                handle.keep_gathered_for_backward()
             handle.training_state = HandleTrainingState.IDLE
         if torch.is_grad_enabled():
             hook = partial(_pre_backward, unit)
@@ -179,18 +268,23 @@ def post_forward(unit: "Unit", output: Any) -> Any:
 
 
 def _pre_backward(unit: "Unit", grad: torch.Tensor) -> None:
-    """First gradient reaching one of the unit's outputs: gather its parameters for backward."""
+    """First gradient of this backward reaching one of the unit's outputs: gather its parameters.
+
+    Keyed on the unit's state, not on which forward made the output, so that two forwards followed
+    by two backwards work as with DDP: each backward finds the unit IDLE and gathers it again.
+    """
     with record_function("FSDP::pre_backward"):
         state = unit._root_state
         state.queue_final_callback()
-        if not unit._awaits_pre_backward:
+        if unit.training_state is TrainingState.FORWARD_BACKWARD:
             return
         unit._awaits_pre_backward = False
         unit.training_state = TrainingState.FORWARD_BACKWARD
-        if unit._handle is not None:
-            if unit._handle.is_sharded:
+        handle = unit._handle
+        if handle is not None:
+            if handle.is_sharded:
                 state.finish_reductions()
-            _gather(unit._handle, HandleTrainingState.BACKWARD_PRE)
+            _gather(handle, HandleTrainingState.BACKWARD_PRE)
             if unit.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
                 _prefetch_for_backward(state.order.next_in_backward(unit))
 
@@ -202,11 +296,14 @@ def _gather(handle: FlatParamHandle, training_state: HandleTrainingState) -> Non
     handle.wait_unshard()
 
 
-def _before_unsharded_gradient(state: RootState, grad_outputs: Tuple[torch.Tensor, ...]) -> None:
-    """Autograd is about to allocate a unit's unsharded gradient: finish the reductions still reading
-    earlier units' unsharded gradients and free those first, so that no two are alive together (the
-    root's gradient, for one, is assembled after every block's reduction has started)."""
-    state.finish_reductions()
+def _before_unsharded_gradient(state: RootState, handle: FlatParamHandle, grad_outputs: Tuple[torch.Tensor, ...]) -> None:
+    """Autograd is about to assemble a unit's unsharded gradient and accumulate it into the flat
+    parameter: move the optimizer's gradient aside first, and (sharded) finish the reductions still
+    reading earlier units' unsharded gradients so that no two are alive together (the root's
+    gradient, for one, is assembled after every block's reduction has started)."""
+    handle.prepare_gradient_for_backward()
+    if handle.is_sharded:
+        state.finish_reductions()
 
 
 def _prefetch(unit: Optional["Unit"]) -> None:
@@ -259,19 +356,11 @@ def _finalize_backward(state: RootState) -> None:
             if handle is not None:
                 if _reshards_after_backward(unit):
                     handle.reshard()
+                else:
+                    handle.use_resting_views()
                 handle.prepare_gradient_for_optim()
                 handle.training_state = HandleTrainingState.IDLE
             unit.training_state = TrainingState.IDLE
             unit._awaits_pre_backward = False
         state.order.fix_pre_forward()
         state.is_final_callback_queued = False
-
-
-def _assert_idle(state: RootState, action: str) -> None:
-    for unit in state.units:
-        if unit.training_state is not TrainingState.IDLE:
-            raise RuntimeError(
-                f"fsdp1: cannot start {action}: unit '{state.path_of(unit)}' is in state "
-                f"{unit.training_state.name}, expected IDLE. A previous forward or backward did not finish "
-                "(an exception inside it?); rebuild the model or restart the step from a clean state."
-            )

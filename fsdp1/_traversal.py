@@ -15,11 +15,12 @@ from ._flat_param import ParamSlot
 FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
 FSDP_PREFIX = FSDP_WRAPPED_MODULE + "."
 CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
+_WRAPPER_NAMES = (FSDP_WRAPPED_MODULE, CHECKPOINT_PREFIX[:-1])
 
 
 def clean_fqn(fqn: str) -> str:
-    """``fqn`` as the user's unwrapped model names it."""
-    return fqn.replace(FSDP_PREFIX, "").replace(CHECKPOINT_PREFIX, "")
+    """``fqn`` as the user's unwrapped model names it (a unit's own path may end in a wrapper name)."""
+    return ".".join(part for part in fqn.split(".") if part not in _WRAPPER_NAMES)
 
 
 def is_fsdp_unit(module: nn.Module) -> bool:

@@ -16,10 +16,11 @@ from torch.autograd.profiler import record_function
 from . import _collectives as comm
 from . import _init, _runtime
 from ._device import resolve_compute_device
-from ._flat_param import FLAT_PARAM, FlatParameter, FlatParamHandle
+from ._flat_param import FlatParameter, FlatParamHandle
 from ._init import SHARDED_STRATEGIES
 from ._runtime import TrainingState
-from ._traversal import FSDP_WRAPPED_MODULE, fsdp_units
+from ._traversal import FSDP_WRAPPED_MODULE, fsdp_units, unit_paths
+from ._unshard import summon_full_params
 from .api import (
     BackwardPrefetch,
     CPUOffload,
@@ -115,18 +116,20 @@ class FullyShardedDataParallel(nn.Module):
         self._fsdp_wrapped_module = module
         self._handle: Optional[FlatParamHandle] = None
         if slots:
-            self._handle = FlatParamHandle(
-                slots, self.process_group, self.sharding_strategy in SHARDED_STRATEGIES, use_orig_params
-            )
-            if not use_orig_params:
-                module._parameters[FLAT_PARAM] = self._handle.flat_param
+            is_sharded = self.sharding_strategy in SHARDED_STRATEGIES
+            self._handle = FlatParamHandle(slots, module, self.process_group, is_sharded, use_orig_params)
+        for unit, path in unit_paths(self).items():
+            if unit._handle is not None and unit is not self:
+                unit._handle.set_path(path)
 
         # Runtime state; the root is decided lazily, at the first forward.
+        _runtime.forget_roots(module)
         self.training_state = TrainingState.IDLE
         self._is_root: Optional[bool] = None
         self._root_state: Optional[_runtime.RootState] = None
         self._sync_gradients = True
         self._awaits_pre_backward = False  # an output of this forward will call _pre_backward
+        self._has_post_backward_hook = False
         _runtime.register_post_backward_hook(self)
 
     # ------------------------------------------------------------------------------ module protocol
@@ -148,9 +151,31 @@ class FullyShardedDataParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         with record_function("FullyShardedDataParallel.forward"):
-            args, kwargs = _runtime.pre_forward(self, args, kwargs)
-            output = self._fsdp_wrapped_module(*args, **kwargs)
+            try:
+                args, kwargs = _runtime.pre_forward(self, args, kwargs)
+                output = self._fsdp_wrapped_module(*args, **kwargs)
+            except BaseException:
+                _runtime.abort_forward(self)
+                raise
             return _runtime.post_forward(self, output)
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> "FullyShardedDataParallel":
+        """``nn.Module.apply`` with this unit's parameters gathered, so that ``fn`` sees their full
+        shapes (``xavier_uniform_`` needs them) and what it writes is what trains; nested units gather
+        their own as ``apply`` reaches them, so only one unit is unsharded at a time."""
+        with summon_full_params(self, recurse=False, writeback=True):
+            return super().apply(fn)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "FullyShardedDataParallel":
+        """``.to()``, ``.double()``, ``.half()`` and friends convert the flat parameter, and the handle
+        rebuilds every buffer and view from it, so that all of them keep one dtype and device."""
+        if self._handle is None:
+            return super()._apply(fn, recurse)
+        with self._handle.flat_param_registered():
+            result = super()._apply(fn, recurse)
+        self._handle.adopt_converted_flat_param()
+        self.compute_device = self._handle.flat_param.device
+        return result
 
     # ------------------------------------------------------------------------------ torch FSDP1 surface
     @property
@@ -168,6 +193,20 @@ class FullyShardedDataParallel(nn.Module):
     def check_is_root(self) -> bool:
         _runtime.lazy_init(self)
         return bool(self._is_root)
+
+    @staticmethod
+    def summon_full_params(
+        module: nn.Module,
+        recurse: bool = True,
+        writeback: bool = True,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        with_grads: bool = False,
+    ) -> contextlib.AbstractContextManager:
+        """Within, every unit in ``module`` (or only ``module`` itself without ``recurse``) holds its
+        original parameters unsharded; with ``writeback`` each rank keeps its shard of what they hold
+        on exit. Collective: every rank must enter it."""
+        return summon_full_params(module, recurse, writeback, rank0_only, offload_to_cpu, with_grads)
 
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> List["FullyShardedDataParallel"]:

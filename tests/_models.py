@@ -57,6 +57,30 @@ def make_gpt(seed: int = 0) -> TinyGPT:
     return TinyGPT()
 
 
+class TiedGPT(TinyGPT):
+    """TinyGPT whose output head is the token embedding (as GPT-2's), optionally used a third time by
+    an auxiliary head: one Parameter registered in two or three modules of the root unit."""
+
+    def __init__(self, ways: int = 2) -> None:
+        super().__init__()
+        self.head = nn.Linear(D_MODEL, VOCAB, bias=False)
+        self.head.weight = self.tok.weight
+        self.aux = None
+        if ways == 3:
+            self.aux = nn.Linear(D_MODEL, VOCAB, bias=False)
+            self.aux.weight = self.tok.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.ln_f(self.blocks(self.tok(idx) + self.pos[: idx.shape[1]]))
+        logits = self.head(x)
+        return logits if self.aux is None else logits + 0.5 * self.aux(torch.tanh(x))
+
+
+def make_tied_gpt(ways: int = 2, seed: int = 0) -> TiedGPT:
+    torch.manual_seed(seed)
+    return TiedGPT(ways)
+
+
 def batch(step: int, rank: int, world_size: int, batch_size: int = 2):
     """Tokens and targets of one rank for one step; the same on every implementation."""
     gen = torch.Generator().manual_seed(1000 + step * world_size + rank)

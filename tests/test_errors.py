@@ -80,6 +80,16 @@ def _shared_across_units():
     return model
 
 
+def _wrapped_twice(use_orig_params):
+    module = Blocks()
+    FSDP(module, use_orig_params=use_orig_params)
+    try:
+        FSDP(module, use_orig_params=use_orig_params)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
 def _no_sync_on_inner_unit():
     model = FSDP(Blocks(), auto_wrap_policy=LinearPolicy)
     model(torch.ones(1, 4)).sum().backward()
@@ -131,6 +141,12 @@ class TestErrors(expecttest.TestCase):
 
     def test_parameter_shared_across_units(self):
         self.assertExpectedInline(self.construction_error(_shared_across_units, auto_wrap_policy=LinearPolicy), """ValueError: fsdp1: parameter 'head.weight' is shared between unit 'head' and unit 'blocks.0'; a parameter can belong to one unit only. Wrap the modules that share it in one unit (e.g. leave the tied embedding and output layer to their common parent).""")
+
+    def test_wrapping_the_same_module_twice(self):
+        for use_orig_params in (False, True):
+            message = run_on_ranks(2, _wrapped_twice, use_orig_params)[0]
+            self.assertEqual(message.split("(its")[0], "fsdp1: the module is already wrapped by another FullyShardedDataParallel instance ")
+        self.assertExpectedInline(message, """fsdp1: the module is already wrapped by another FullyShardedDataParallel instance (its parameter 'blocks.0.weight' was flattened by it). Wrap each module object once; to nest units, wrap the existing FullyShardedDataParallel instance instead of its module.""")
 
     def test_no_sync_on_inner_unit(self):
         messages = run_on_ranks(2, _no_sync_on_inner_unit)
