@@ -23,6 +23,9 @@ def summon_full_params(
     offload_to_cpu: bool = False,
     with_grads: bool = False,
 ) -> Iterator[None]:
+    """Within, every unit in ``module`` (or only ``module`` itself without ``recurse``) holds its
+    original parameters unsharded; with ``writeback`` each rank keeps its shard of what they hold on
+    exit. Collective: every rank must enter it."""
     for name, value in (("rank0_only", rank0_only), ("offload_to_cpu", offload_to_cpu), ("with_grads", with_grads)):
         if value:
             raise NotImplementedError(

@@ -194,19 +194,7 @@ class FullyShardedDataParallel(nn.Module):
         _runtime.lazy_init(self)
         return bool(self._is_root)
 
-    @staticmethod
-    def summon_full_params(
-        module: nn.Module,
-        recurse: bool = True,
-        writeback: bool = True,
-        rank0_only: bool = False,
-        offload_to_cpu: bool = False,
-        with_grads: bool = False,
-    ) -> contextlib.AbstractContextManager:
-        """Within, every unit in ``module`` (or only ``module`` itself without ``recurse``) holds its
-        original parameters unsharded; with ``writeback`` each rank keeps its shard of what they hold
-        on exit. Collective: every rank must enter it."""
-        return summon_full_params(module, recurse, writeback, rank0_only, offload_to_cpu, with_grads)
+    summon_full_params = staticmethod(summon_full_params)
 
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> List["FullyShardedDataParallel"]:

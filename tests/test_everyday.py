@@ -38,6 +38,22 @@ TOLERANCE = 1e-5
 pytestmark = pytest.mark.filterwarnings("ignore:The `NO_SHARD` sharding strategy is deprecated:FutureWarning")
 
 
+def _train_each(models, steps=3, dtype=torch.float32, after_step=lambda: None):
+    """Adam steps on the MLP's inputs for each model in turn; each model's losses."""
+    losses = []
+    for model in models:
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+        losses.append([])
+        for step in range(steps):
+            loss = model(_x(step, dtype=dtype)).square().mean()
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            losses[-1].append(loss.item())
+            after_step()
+    return losses
+
+
 def _rank_world():
     return dist.get_rank(), dist.get_world_size()
 
@@ -224,16 +240,7 @@ def _apply_then_train(strategy, use_orig_params):
     torch.manual_seed(7)
     plain = copy.deepcopy(base).apply(_init_fn)
     ddp = DDP(plain)
-    losses = []
-    for model in (ours, ddp):
-        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
-        losses.append([])
-        for step in range(3):
-            loss = model(_x(step)).square().mean()
-            loss.backward()
-            optim.step()
-            optim.zero_grad()
-            losses[-1].append(loss.item())
+    losses = _train_each((ours, ddp))
     read = None
     try:
         ours.module[0].weight.sum()
@@ -325,16 +332,7 @@ def _convert_after_wrapping(strategy, use_orig_params, conversion):
         ours.to(torch.float64)
     else:
         ours.double()
-    losses = []
-    for model in (ours, ddp):
-        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
-        losses.append([])
-        for step in range(3):
-            loss = model(_x(step, dtype=torch.float64)).square().mean()
-            loss.backward()
-            optim.step()
-            optim.zero_grad()
-            losses[-1].append(loss.item())
+    losses = _train_each((ours, ddp), dtype=torch.float64)
     dtypes = sorted({str(p.dtype) for p in ours.parameters()} | {str(g.dtype) for g in fsdp1_full_params(ours).values()})
     return dtypes, losses, max_relative_error(fsdp1_full_params(ours), plain_params(ddp))
 
@@ -362,17 +360,8 @@ def _compiled(use_orig_params):
     torch._dynamo.reset()
     compiled = torch.compile(wrap_fsdp1(_mlp(), "FULL_SHARD", use_orig_params, wrap_classes=[nn.Linear]))
     eager = wrap_fsdp1(_mlp(), "FULL_SHARD", use_orig_params, wrap_classes=[nn.Linear])
-    losses, graphs = [], []
-    for model in (compiled, eager):
-        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
-        losses.append([])
-        for step in range(3):
-            loss = model(_x(step)).square().mean()
-            loss.backward()
-            optim.step()
-            optim.zero_grad()
-            losses[-1].append(loss.item())
-            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    graphs = []
+    losses = _train_each((compiled, eager), after_step=lambda: graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"]))
     return results, losses, graphs[:3]
 
 
