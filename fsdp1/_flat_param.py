@@ -412,8 +412,9 @@ class FlatParamHandle:
     def full_params(self, writeback: bool) -> Iterator[None]:
         """Within, the module holds every original parameter unsharded as an ``nn.Parameter`` (the
         originals themselves with use_orig_params), outside autograd; on exit with ``writeback`` this
-        rank keeps its shard of what they hold then, including data the caller replaced."""
-        was_sharded = self.state is not HandleState.UNSHARDED
+        rank keeps its shard of what they hold then, including data the caller replaced. A buffer
+        kept gathered for a backward is gathered afresh: an optimizer step may have changed the shard."""
+        self.reshard()
         self.unshard()
         self.wait_unshard()
         views = self._unflatten(self._unsharded_buffer.detach())
@@ -424,10 +425,7 @@ class FlatParamHandle:
             if writeback:
                 self._write_back_full_params(views, exposed)
             self._hide_full_params()
-            if was_sharded:
-                self.reshard()
-            else:
-                self.use_resting_views()
+            self.reshard()
 
     def _expose_full_params(self, views: List[torch.Tensor]) -> List[nn.Parameter]:
         if self.use_orig_params:
@@ -472,8 +470,10 @@ class FlatParamHandle:
     def flat_param_registered(self) -> Iterator[None]:
         """Within, the owner holds the FlatParameter in place of the originals (use_orig_params), so
         that ``nn.Module._apply`` (``.to``, ``.double()``, ...) converts the one tensor that owns the
-        storage; ``adopt_converted_flat_param`` then rebuilds everything derived from it."""
+        storage; ``adopt_converted_flat_param`` then rebuilds everything derived from it. The user's
+        ``zero_grad`` on the originals is carried into the flat gradient first, which is converted too."""
         self.reshard()
+        self.write_back_orig_grads()
         if not self.use_orig_params:
             yield
             return

@@ -229,10 +229,17 @@ def _start_iteration(unit: "Unit") -> None:
 
 @eager_only
 def abort_forward(unit: "Unit") -> None:
-    """The forward raised: the root undoes what it left at once, so that an optimizer step or a state
-    dict taken next sees every unit sharded and its gradients as they were."""
-    if unit._is_root and not _inside_backward():
+    """The forward raised: undo what it left at once, so that an optimizer step or a state dict taken
+    next sees every unit sharded and its gradients as they were. The root recovers every unit; a
+    nested unit (called directly, or inside a forward that catches the error) recovers itself."""
+    if unit._is_root is None or _inside_backward():
+        return
+    if unit._is_root:
         unit._root_state.recover()
+        return
+    if unit._handle is not None:
+        unit._handle.abandon_backward()
+    unit.training_state = TrainingState.IDLE
 
 
 def _inside_backward() -> bool:

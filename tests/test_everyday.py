@@ -38,6 +38,24 @@ TOLERANCE = 1e-5
 pytestmark = pytest.mark.filterwarnings("ignore:The `NO_SHARD` sharding strategy is deprecated:FutureWarning")
 
 
+class _AveragedGrads(nn.Module):
+    """Data parallelism by hand: a plain model whose gradients are averaged over the ranks before each
+    step. DDP itself is no oracle here: two forwards before two backwards give it wrong gradients
+    (4.6e-2 off on the MLP below), silently."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x):
+        return self.module(x)
+
+    def average_grads(self):
+        for param in self.parameters():
+            dist.all_reduce(param.grad)
+            param.grad /= dist.get_world_size()
+
+
 def _train_each(models, steps=3, dtype=torch.float32, after_step=lambda: None):
     """Adam steps on the MLP's inputs for each model in turn; each model's losses."""
     losses = []
@@ -47,6 +65,8 @@ def _train_each(models, steps=3, dtype=torch.float32, after_step=lambda: None):
         for step in range(steps):
             loss = model(_x(step, dtype=dtype)).square().mean()
             loss.backward()
+            if isinstance(model, _AveragedGrads):
+                model.average_grads()
             optim.step()
             optim.zero_grad()
             losses[-1].append(loss.item())
@@ -166,6 +186,33 @@ def test_a_metric_between_backward_and_step_keeps_the_gradients(strategy, use_or
         assert relative_errors(ours, ddp) <= TOLERANCE
         assert relative_errors(our_metrics, ddp_metrics) <= TOLERANCE
         assert error <= TOLERANCE
+
+
+def _summon_after_a_forward_without_backward(strategy, use_orig_params):
+    """backward, a metric forward with grad enabled (no backward for it), step, then
+    summon_full_params: it must show the stepped values, and its writeback must keep them."""
+    rank, world_size = _rank_world()
+    base = make_gpt()
+    ours, ddp = build(base, lambda m: wrap_fsdp1(m, strategy, use_orig_params)), build(base, DDP)
+    for model in (ours, ddp):
+        optim = torch.optim.SGD(model.parameters(), lr=0.5)
+        lm_loss(model, *batch(0, rank, world_size)).backward()
+        lm_loss(model, *batch(50, rank, world_size))
+        optim.step()
+        optim.zero_grad()
+    with FSDP.summon_full_params(ours):
+        summoned = {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for n, p in ours.named_parameters()}
+    summon_error = max_relative_error(summoned, plain_params(ddp))
+    losses = [train(m, 2, world_size, rank, make_optim=lambda ps: torch.optim.SGD(ps, lr=0.5)) for m in (ours, ddp)]
+    return summon_error, losses, max_relative_error(fsdp1_full_params(ours), plain_params(ddp))
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+@pytest.mark.parametrize("strategy", SHARDED)
+def test_summon_full_params_after_a_forward_that_no_backward_followed(strategy, use_orig_params):
+    for summon_error, (ours, ddp), error in run_on_ranks(2, _summon_after_a_forward_without_backward, strategy, use_orig_params):
+        assert summon_error <= TOLERANCE  # the stepped values, not those gathered before the step
+        assert relative_errors(ours, ddp) <= TOLERANCE and error <= TOLERANCE
 
 
 # ---------------------------------------------------------------------------------------------- 4. unfreezing
@@ -303,9 +350,11 @@ def _exception_mid_step(strategy, use_orig_params, where):
                 model.module.fail_in_backward = False
             loss = model(_x(step)).square().mean()
             loss.backward()
-            if step == 1 and where == "forward":
+            if step == 1 and where in ("forward", "nested unit"):
+                # A float64 input fails inside the first unit, reached through the root or directly.
+                called = model if where == "forward" else model.module.net[0]
                 try:
-                    model(_x(9, dtype=torch.float64))  # a float64 input fails inside the first unit
+                    called(_x(9, dtype=torch.float64))
                 except RuntimeError as error:
                     errors.append(type(error).__name__)
             optim.step()
@@ -314,36 +363,44 @@ def _exception_mid_step(strategy, use_orig_params, where):
     return errors, losses, max_relative_error(fsdp1_full_params(ours), plain_params(ddp))
 
 
-@pytest.mark.parametrize("where", ["forward", "backward"])
+@pytest.mark.parametrize("where", ["forward", "nested unit", "backward"])
 @pytest.mark.parametrize("use_orig_params", [False, True])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_training_goes_on_after_an_exception_as_if_it_never_happened(strategy, use_orig_params, where):
     for errors, (ours, ddp), error in run_on_ranks(2, _exception_mid_step, strategy, use_orig_params, where):
-        assert errors == (["RuntimeError", "RuntimeError"] if where == "forward" else ["ValueError"])
+        assert errors == (["ValueError"] if where == "backward" else ["RuntimeError", "RuntimeError"])
         assert relative_errors(ours, ddp) <= TOLERANCE and error <= TOLERANCE
 
 
 # ---------------------------------------------------------------------------------------------- 8. .to(dtype)
-def _convert_after_wrapping(strategy, use_orig_params, conversion):
+def _convert_after_wrapping(strategy, use_orig_params, conversion, trained_before):
+    """Convert to float64 right after wrapping, or after a float32 step whose gradients were zeroed
+    (they must stay zeroed); against a plain model doing the same, its gradients averaged by hand."""
     base = _mlp()
     ours = wrap_fsdp1(copy.deepcopy(base), strategy, use_orig_params, wrap_classes=[nn.Linear])
-    ddp = DDP(copy.deepcopy(base).double())
-    if conversion == "to":
-        ours.to(torch.float64)
-    else:
-        ours.double()
-    losses = _train_each((ours, ddp), dtype=torch.float64)
+    oracle = _AveragedGrads(copy.deepcopy(base))
+    if trained_before:
+        _train_each((ours, oracle), steps=1)
+    for model in (ours, oracle):
+        if conversion == "to":
+            model.to(torch.float64)
+        else:
+            model.double()
+    losses = _train_each((ours, oracle), dtype=torch.float64)
     dtypes = sorted({str(p.dtype) for p in ours.parameters()} | {str(g.dtype) for g in fsdp1_full_params(ours).values()})
-    return dtypes, losses, max_relative_error(fsdp1_full_params(ours), plain_params(ddp))
+    return dtypes, losses, max_relative_error(fsdp1_full_params(ours), plain_params(oracle.module))
 
 
+@pytest.mark.parametrize("trained_before", [False, True])
 @pytest.mark.parametrize("conversion", ["to", "double"])
 @pytest.mark.parametrize("use_orig_params", [False, True])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_converting_the_dtype_after_wrapping(strategy, use_orig_params, conversion):
-    for dtypes, (ours, ddp), error in run_on_ranks(2, _convert_after_wrapping, strategy, use_orig_params, conversion):
+def test_converting_the_dtype_after_wrapping(strategy, use_orig_params, conversion, trained_before):
+    for dtypes, (ours, oracle), error in run_on_ranks(
+        2, _convert_after_wrapping, strategy, use_orig_params, conversion, trained_before
+    ):
         assert dtypes == ["torch.float64"]
-        assert relative_errors(ours, ddp) <= 1e-12 and error <= 1e-12
+        assert relative_errors(ours, oracle) <= 1e-12 and error <= 1e-12
 
 
 # ---------------------------------------------------------------------------------------------- 9. torch.compile
@@ -375,24 +432,6 @@ def test_torch_compile_runs_the_hooks_eagerly_and_matches_eager(use_orig_params)
 
 
 # ---------------------------------------------------------------------------------------------- 10. two forwards
-class _AveragedGrads(nn.Module):
-    """Data parallelism by hand: a plain model whose gradients are averaged over the ranks before each
-    step. DDP itself is no oracle here: two forwards before two backwards give it wrong gradients
-    (4.6e-2 off on this model), silently."""
-
-    def __init__(self, module):
-        super().__init__()
-        self.module = module
-
-    def forward(self, x):
-        return self.module(x)
-
-    def average_grads(self):
-        for param in self.parameters():
-            dist.all_reduce(param.grad)
-            param.grad /= dist.get_world_size()
-
-
 def _two_forwards_then_two_backwards(strategy, use_orig_params):
     base = _mlp()
     ours = wrap_fsdp1(copy.deepcopy(base), strategy, use_orig_params, wrap_classes=[nn.Linear])
