@@ -7,7 +7,7 @@ a script written for torch's FSDP1 runs after swapping the import.
 
 import contextlib
 from enum import Enum, auto
-from typing import Any, Callable, Iterable, Iterator, List, Optional, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -150,13 +150,20 @@ class FullyShardedDataParallel(nn.Module):
         return self._fsdp_wrapped_module.__getitem__(key)  # type: ignore[operator]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            # Dynamo cannot resume after a graph break inside ``try`` and would compile nothing; a
+            # compiled forward that raises is undone by the root's next forward instead.
+            return self._run_forward(args, kwargs)
+        try:
+            return self._run_forward(args, kwargs)
+        except BaseException:
+            _runtime.abort_forward(self)
+            raise
+
+    def _run_forward(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         with record_function("FullyShardedDataParallel.forward"):
-            try:
-                args, kwargs = _runtime.pre_forward(self, args, kwargs)
-                output = self._fsdp_wrapped_module(*args, **kwargs)
-            except BaseException:
-                _runtime.abort_forward(self)
-                raise
+            args, kwargs = _runtime.pre_forward(self, args, kwargs)
+            output = self._fsdp_wrapped_module(*args, **kwargs)
             return _runtime.post_forward(self, output)
 
     def apply(self, fn: Callable[[nn.Module], None]) -> "FullyShardedDataParallel":

@@ -408,27 +408,34 @@ def _compiled(use_orig_params):
     """Inductor compiles the module bodies; fsdp1's hooks run eagerly between them."""
     import torch._dynamo
 
-    results = {}
+    rank, world_size = _rank_world()
+    base = make_gpt()
+    counts = {}
     for name, wrap in (("fsdp1", wrap_fsdp1), ("torch_fsdp1", wrap_torch_fsdp)):
-        model = wrap(_mlp(), "FULL_SHARD", use_orig_params, wrap_classes=[nn.Linear])
+        model = build(base, lambda m: wrap(m, "FULL_SHARD", use_orig_params))
         torch._dynamo.reset()
-        explained = torch._dynamo.explain(model)(_x(0))
-        results[name] = (explained.graph_count, explained.graph_break_count)
+        explained = torch._dynamo.explain(model)(batch(0, rank, world_size)[0])
+        counts[name] = (explained.graph_count, explained.graph_break_count)
     torch._dynamo.reset()
-    compiled = torch.compile(wrap_fsdp1(_mlp(), "FULL_SHARD", use_orig_params, wrap_classes=[nn.Linear]))
-    eager = wrap_fsdp1(_mlp(), "FULL_SHARD", use_orig_params, wrap_classes=[nn.Linear])
-    graphs = []
-    losses = _train_each((compiled, eager), after_step=lambda: graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"]))
-    return results, losses, graphs[:3]
+    compiled = torch.compile(build(base, lambda m: wrap_fsdp1(m, "FULL_SHARD", use_orig_params)))
+    eager = build(base, lambda m: wrap_fsdp1(m, "FULL_SHARD", use_orig_params))
+    graphs, losses = [], []
+    for model in (compiled, eager):
+        losses.append(train(model, 1, world_size, rank))
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+        losses[-1] += train(model, 2, world_size, rank)
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    return counts, losses, graphs
 
 
 @pytest.mark.parametrize("use_orig_params", [False, True])
 def test_torch_compile_runs_the_hooks_eagerly_and_matches_eager(use_orig_params):
     for counts, (compiled, eager), graphs in run_on_ranks(2, _compiled, use_orig_params):
         assert relative_errors(compiled, eager) <= TOLERANCE
-        assert graphs[0] == graphs[-1]  # compiled once, reused every step
-        if use_orig_params:  # torch's FSDP1 compiles nothing without use_orig_params
-            assert counts["fsdp1"] == counts["torch_fsdp1"]
+        assert graphs[0] > 0 and len(set(graphs)) == 1  # compiled at the first step, never again
+        # 3 graphs, 2 breaks: one break per unit boundary. torch's FSDP1 compiles nothing without use_orig_params.
+        assert counts["fsdp1"] == (3, 2)
+        assert counts["torch_fsdp1"] == ((3, 2) if use_orig_params else (0, -1))
 
 
 # ---------------------------------------------------------------------------------------------- 10. two forwards
