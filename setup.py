@@ -13,8 +13,9 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.4"],
     extras_require={
-        # numpy: torch's object collectives import it in CPU builds (DESIGN.md §6.5).
-        "test": ["pytest>=7", "expecttest>=0.2", "numpy"],
+        # numpy: torch's object collectives import it in CPU builds (DESIGN.md §6.5). transformers: real
+        # model families, built from small configs in memory (pinned: the version the tests were run with).
+        "test": ["pytest>=7", "expecttest>=0.2", "numpy", "transformers==5.23.0"],
         "examples": ["tqdm", "matplotlib"],
     },
 )

@@ -30,7 +30,7 @@ from torch.autograd.profiler import record_function
 
 from ._device import move_to_device
 from ._flat_param import FlatParamHandle, GradReduction, HandleTrainingState
-from ._traversal import fsdp_units, iter_tensors, unit_paths
+from ._traversal import fsdp_units, iter_tensors, iter_unit_submodules, unit_paths
 from .api import BackwardPrefetch, ShardingStrategy
 
 if TYPE_CHECKING:
@@ -161,6 +161,7 @@ class RootState:
                 unit._handle.abandon_backward()
             unit.training_state = TrainingState.IDLE
             unit._awaits_pre_backward = False
+            unit._awaits_reduction = False
         self.is_final_callback_queued = False
 
 
@@ -190,9 +191,48 @@ def register_post_backward_hook(unit: "Unit") -> None:
         unit._has_post_backward_hook = True
 
 
+def register_forward_hooks(unit: "Unit") -> None:
+    """Gather and reshard around every call of the wrapped module, not only those through the
+    wrapper, and around a call of any of its submodules made from outside the unit's forward:
+    ``generate()`` reaches the wrapped model through attribute forwarding and calls it, or its
+    encoder, directly, which torch's FSDP1 cannot serve without ``summon_full_params``."""
+    module = unit._fsdp_wrapped_module
+    module.register_forward_pre_hook(partial(pre_forward, unit), prepend=True, with_kwargs=True)
+    module.register_forward_hook(partial(post_forward, unit))
+    for submodule in iter_unit_submodules(module):
+        submodule.register_forward_pre_hook(partial(_pre_submodule_forward, unit), prepend=True, with_kwargs=True)
+        submodule.register_forward_hook(partial(_post_submodule_forward, unit))
+
+
+def _pre_submodule_forward(
+    unit: "Unit", submodule: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]
+) -> Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]]:
+    """A submodule called while its unit is IDLE is called from outside the unit's forward: run it
+    as a forward of the unit. Inside the unit's forward or backward this is one attribute check,
+    which dynamo traces through."""
+    if unit.training_state is not TrainingState.IDLE or unit._handle is None:
+        return None
+    unit._submodule_forward = submodule
+    return pre_forward(unit, submodule, args, kwargs)
+
+
+def _post_submodule_forward(unit: "Unit", submodule: torch.nn.Module, args: Tuple[Any, ...], output: Any) -> Any:
+    if unit._submodule_forward is not submodule:
+        return None
+    unit._submodule_forward = None
+    return post_forward(unit, submodule, args, output)
+
+
 @eager_only
-def pre_forward(unit: "Unit", args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+def pre_forward(
+    unit: "Unit", module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]
+) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
     with record_function("FSDP::pre_forward"):
+        if unit.training_state is TrainingState.SUMMON_FULL_PARAMS:
+            raise RuntimeError(
+                "fsdp1: forward was called inside summon_full_params(), which FSDP does not support. "
+                "Run the forward after leaving the context."
+            )
         lazy_init(unit)
         state = unit._root_state
         if unit._is_root:
@@ -211,11 +251,17 @@ def pre_forward(unit: "Unit", args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> 
             _gather(handle, HandleTrainingState.FORWARD)
             if unit.forward_prefetch:
                 _prefetch(state.order.next_in_forward(unit))
-            gradient_node = handle.use_unsharded_views()
+            _use_unsharded_views(state, handle)
             register_post_backward_hook(unit)
-            if gradient_node is not None:
-                gradient_node.register_prehook(partial(_before_unsharded_gradient, state, handle))
         return args, kwargs
+
+
+def _use_unsharded_views(state: RootState, handle: FlatParamHandle) -> None:
+    """Give the module views of the gathered flat parameter, tied to autograd under the current grad
+    mode, and act just before their gradients are assembled into the flat parameter's."""
+    gradient_node = handle.use_unsharded_views()
+    if gradient_node is not None:
+        gradient_node.register_prehook(partial(_before_unsharded_gradient, state, handle))
 
 
 def _start_iteration(unit: "Unit") -> None:
@@ -249,7 +295,7 @@ def _inside_backward() -> bool:
 
 
 @eager_only
-def post_forward(unit: "Unit", output: Any) -> Any:
+def post_forward(unit: "Unit", module: torch.nn.Module, args: Tuple[Any, ...], output: Any) -> Any:
     """End the unit's forward. A forward without grad has no backward to come, so every unit, the root
     and SHARD_GRAD_OP ones included, reshards at once; otherwise FULL_SHARD units reshard and the root
     stays gathered for backward. The module always sees its original parameters again."""
@@ -286,12 +332,17 @@ def _pre_backward(unit: "Unit", grad: torch.Tensor) -> None:
         if unit.training_state is TrainingState.FORWARD_BACKWARD:
             return
         unit._awaits_pre_backward = False
+        unit._backward_graph_task = torch._C._current_graph_task_id()
         unit.training_state = TrainingState.FORWARD_BACKWARD
         handle = unit._handle
         if handle is not None:
             if handle.is_sharded:
                 state.finish_reductions()
             _gather(handle, HandleTrainingState.BACKWARD_PRE)
+            # Activation checkpointing inside the unit recomputes its forward now: the module must
+            # hold full views again, tied to the flat parameter for a reentrant recomputation.
+            with torch.enable_grad():
+                _use_unsharded_views(state, handle)
             if unit.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
                 _prefetch_for_backward(state.order.next_in_backward(unit))
 
@@ -326,7 +377,13 @@ def _prefetch_for_backward(unit: Optional["Unit"]) -> None:
 
 
 def _post_backward(unit: "Unit", flat_param: torch.Tensor) -> None:
-    """The unit's gradient is complete: start its reduction and reshard."""
+    """The unit's gradient is complete: start its reduction and reshard.
+
+    A reentrant activation checkpoint inside the unit recomputes part of it in a nested backward,
+    whose accumulation into the flat parameter is only part of the gradient (torch's FSDP1 reduces
+    and reshards there, pytorch#89781): a gradient accumulated in another graph task than the
+    unit's backward began in waits, for the unit's own accumulation or the final callback.
+    """
     with record_function("FSDP::post_backward"):
         state = unit._root_state
         state.queue_final_callback()
@@ -336,16 +393,24 @@ def _post_backward(unit: "Unit", flat_param: torch.Tensor) -> None:
                 "(backward with create_graph=True); FSDP does not support gradients of gradients. "
                 "Call backward() without create_graph."
             )
-        handle = unit._handle
-        handle.training_state = HandleTrainingState.BACKWARD_POST
-        if unit._sync_gradients:
-            state.add_reduction(handle.reduce_grad())
-        else:
-            handle.keep_grad_unreduced()
-        if _reshards_after_backward(unit):
-            handle.reshard()
-        if unit.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
-            _prefetch_for_backward(state.order.next_in_backward(unit))
+        if torch._C._current_graph_task_id() != unit._backward_graph_task:
+            unit._awaits_reduction = True
+            return
+        _reduce_and_reshard(state, unit)
+
+
+def _reduce_and_reshard(state: RootState, unit: "Unit") -> None:
+    unit._awaits_reduction = False
+    handle = unit._handle
+    handle.training_state = HandleTrainingState.BACKWARD_POST
+    if unit._sync_gradients:
+        state.add_reduction(handle.reduce_grad())
+    else:
+        handle.keep_grad_unreduced()
+    if _reshards_after_backward(unit):
+        handle.reshard()
+    if unit.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+        _prefetch_for_backward(state.order.next_in_backward(unit))
 
 
 def _reshards_after_backward(unit: "Unit") -> bool:
@@ -357,6 +422,9 @@ def _finalize_backward(state: RootState) -> None:
     """Root's end of backward: finish reductions, reshard units whose post-backward never ran
     (unused parameters), install ``.grad`` and return every unit to IDLE."""
     with record_function("FSDP::post_backward_final_callback"):
+        for unit in state.units:
+            if unit._awaits_reduction:
+                _reduce_and_reshard(state, unit)
         state.finish_reductions()
         for unit in state.units:
             handle = unit._handle

@@ -54,6 +54,15 @@ def iter_param_slots(
             yield from iter_param_slots(child, f"{prefix}{name}.", stop)
 
 
+def iter_unit_submodules(module: nn.Module) -> Iterator[nn.Module]:
+    """Every module below ``module`` (not itself) that belongs to the same unit: nested units and
+    what lies below them are left out."""
+    for child in module._modules.values():
+        if child is not None and not is_fsdp_unit(child):
+            yield child
+            yield from iter_unit_submodules(child)
+
+
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     """Every tensor inside tuples, lists, sets, dicts and dataclasses (a module's output)."""
     if isinstance(obj, torch.Tensor):

@@ -129,8 +129,12 @@ class FullyShardedDataParallel(nn.Module):
         self._root_state: Optional[_runtime.RootState] = None
         self._sync_gradients = True
         self._awaits_pre_backward = False  # an output of this forward will call _pre_backward
+        self._backward_graph_task = -1  # autograd graph task this unit's backward began in
+        self._awaits_reduction = False  # a nested backward accumulated a partial gradient
         self._has_post_backward_hook = False
+        self._submodule_forward: Optional[nn.Module] = None  # a submodule called from outside, running
         _runtime.register_post_backward_hook(self)
+        _runtime.register_forward_hooks(self)
 
     # ------------------------------------------------------------------------------ module protocol
     @property
@@ -150,6 +154,8 @@ class FullyShardedDataParallel(nn.Module):
         return self._fsdp_wrapped_module.__getitem__(key)  # type: ignore[operator]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Calls the wrapped module, whose forward hooks gather and reshard this unit (so a direct
+        call of the wrapped module, as ``generate()`` makes, works the same)."""
         if torch.compiler.is_compiling():
             # Dynamo cannot resume after a graph break inside ``try`` and would compile nothing; a
             # compiled forward that raises is undone by the root's next forward instead.
@@ -162,9 +168,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def _run_forward(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         with record_function("FullyShardedDataParallel.forward"):
-            args, kwargs = _runtime.pre_forward(self, args, kwargs)
-            output = self._fsdp_wrapped_module(*args, **kwargs)
-            return _runtime.post_forward(self, output)
+            return self._fsdp_wrapped_module(*args, **kwargs)
 
     def apply(self, fn: Callable[[nn.Module], None]) -> "FullyShardedDataParallel":
         """``nn.Module.apply`` with this unit's parameters gathered, so that ``fn`` sees their full
