@@ -225,6 +225,7 @@ class FlatParamHandle:
         self._grad_this_backward: Optional[torch.Tensor] = None  # this backward's reduced gradient
         self._grad_is_unreduced = False  # flat_param.grad holds local sums (inside no_sync)
         self._orig_grad_views: List[Optional[torch.Tensor]] = []
+        self._forward_views: List[torch.Tensor] = []  # the last forward's, tied to autograd
 
     # ----------------------------------------------------------------------------- construction
     def _flatten(self) -> torch.Tensor:
@@ -328,8 +329,15 @@ class FlatParamHandle:
         if self.use_orig_params:
             self._sync_requires_grad()
         pieces = torch.split(self.flat_param, self._split_sizes)
-        self._install(self._param_views(pieces), as_parameters=self.use_orig_params)
+        self._forward_views = self._param_views(pieces)
+        self._install(self._forward_views, as_parameters=self.use_orig_params)
         return pieces[0].grad_fn
+
+    def use_forward_views(self) -> None:
+        """The last forward's views again, for backward: activation checkpointing recomputes part of
+        the forward then, and these are tied to the flat parameter as a reentrant recomputation needs
+        (the gather has refilled their storage)."""
+        self._install(self._forward_views, as_parameters=self.use_orig_params)
 
     def _sync_requires_grad(self) -> None:
         """The flat parameter needs a gradient while any original one does (frozen or unfrozen after
@@ -351,9 +359,11 @@ class FlatParamHandle:
 
     def keep_gathered_for_backward(self) -> None:
         """End of a forward after which the unit stays gathered for its backward (the root, SHARD_GRAD_OP):
-        until the backward re-points it, the flat parameter shows the shard and the module the original
-        parameters, so that an optimizer step in between (no backward came) updates the shard."""
-        self.use_resting_views()
+        until the backward re-points it, the flat parameter shows the shard and, with use_orig_params,
+        the module the original parameters, so that an optimizer step in between (no backward came)
+        updates the shard. Without it the forward's views stay: their storage is alive."""
+        if self.use_orig_params:
+            self.use_resting_views()
         if self.is_sharded:
             self.flat_param.data = self._local_shard
 

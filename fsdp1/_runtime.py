@@ -251,17 +251,11 @@ def pre_forward(
             _gather(handle, HandleTrainingState.FORWARD)
             if unit.forward_prefetch:
                 _prefetch(state.order.next_in_forward(unit))
-            _use_unsharded_views(state, handle)
+            gradient_node = handle.use_unsharded_views()
             register_post_backward_hook(unit)
+            if gradient_node is not None:
+                gradient_node.register_prehook(partial(_before_unsharded_gradient, state, handle))
         return args, kwargs
-
-
-def _use_unsharded_views(state: RootState, handle: FlatParamHandle) -> None:
-    """Give the module views of the gathered flat parameter, tied to autograd under the current grad
-    mode, and act just before their gradients are assembled into the flat parameter's."""
-    gradient_node = handle.use_unsharded_views()
-    if gradient_node is not None:
-        gradient_node.register_prehook(partial(_before_unsharded_gradient, state, handle))
 
 
 def _start_iteration(unit: "Unit") -> None:
@@ -339,10 +333,7 @@ def _pre_backward(unit: "Unit", grad: torch.Tensor) -> None:
             if handle.is_sharded:
                 state.finish_reductions()
             _gather(handle, HandleTrainingState.BACKWARD_PRE)
-            # Activation checkpointing inside the unit recomputes its forward now: the module must
-            # hold full views again, tied to the flat parameter for a reentrant recomputation.
-            with torch.enable_grad():
-                _use_unsharded_views(state, handle)
+            handle.use_forward_views()
             if unit.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
                 _prefetch_for_backward(state.order.next_in_backward(unit))
 
