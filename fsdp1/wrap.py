@@ -1,18 +1,33 @@
-"""Auto-wrap policies and the post-order planner that decides which submodules become units.
+"""Auto-wrap policies, manual wrapping, and the post-order planner that decides which submodules
+become units.
 
 Planning is separate from wrapping: ``plan_auto_wrap`` only reads the tree, so the caller can
 validate every planned unit before changing anything, and ``apply_wrap`` then replaces the planned
-submodules children-first. Legacy callable policies ``(module, recurse, nonwrapped_numel)`` and
-``_Policy`` objects are both accepted. The other named policies arrive in a later release.
+submodules children-first. Two kinds of policy exist, as in torch: callables
+``(module, recurse, nonwrapped_numel) -> bool`` (``always_wrap_policy``, ``lambda_auto_wrap_policy``,
+``transformer_auto_wrap_policy``, ``size_based_auto_wrap_policy``, with their extra arguments bound by
+``functools.partial``), planned by a depth-first recursion that counts the numel not yet wrapped; and
+``_Policy`` objects (``ModuleWrapPolicy``, ``CustomPolicy``) that map modules to unit kwargs directly.
+``enable_wrap`` and ``wrap`` annotate modules by hand.
 """
 
+import contextlib
 import copy
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Dict, Iterable, Set, Tuple, Type, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Set, Tuple, Type, Union
 
 from torch import nn
 
-__all__ = ["ModuleWrapPolicy"]
+__all__ = [
+    "always_wrap_policy",
+    "lambda_auto_wrap_policy",
+    "transformer_auto_wrap_policy",
+    "size_based_auto_wrap_policy",
+    "enable_wrap",
+    "wrap",
+    "CustomPolicy",
+    "ModuleWrapPolicy",
+]
 
 
 class _Policy(ABC):
@@ -48,6 +63,100 @@ class ModuleWrapPolicy(_Policy):
         return super().__repr__() + f"({self._module_classes_str})"
 
 
+class CustomPolicy(_Policy):
+    """Wrap where ``lambda_fn(module)`` says so: ``True`` with the root's kwargs, a non-empty dict with
+    the root's kwargs updated by it (a per-unit ``sharding_strategy``, say), ``False`` or ``{}`` not."""
+
+    def __init__(self, lambda_fn: Callable[[nn.Module], Union[bool, Dict[str, Any]]]):
+        self._lambda_fn = lambda_fn
+
+    def _run_policy(self, root_module, ignored_modules, root_kwargs):
+        targets: Dict[nn.Module, Dict[str, Any]] = {}
+        for name, module in root_module.named_modules():
+            if module in ignored_modules:
+                continue
+            decision = self._lambda_fn(module)
+            if not isinstance(decision, (bool, dict)):
+                raise ValueError(
+                    f"fsdp1: CustomPolicy's lambda_fn returned {decision!r} for module '{name}'; it must return "
+                    "True, False or a dict of FullyShardedDataParallel keyword arguments for that unit."
+                )
+            if decision:
+                targets[module] = {**root_kwargs, **decision} if isinstance(decision, dict) else copy.copy(root_kwargs)
+        return targets
+
+
+def always_wrap_policy(*args: Any, **kwargs: Any) -> bool:
+    """Every module becomes a unit."""
+    return True
+
+
+def lambda_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int, lambda_fn: Callable[[nn.Module], bool]) -> bool:
+    """Recurse everywhere; wrap the modules for which ``lambda_fn(module)`` is true."""
+    return True if recurse else bool(lambda_fn(module))
+
+
+def transformer_auto_wrap_policy(
+    module: nn.Module, recurse: bool, nonwrapped_numel: int, transformer_layer_cls: Set[Type[nn.Module]]
+) -> bool:
+    """Recurse everywhere; wrap instances of ``transformer_layer_cls`` (the layers, leaving shared
+    embeddings to their common parent)."""
+    return True if recurse else isinstance(module, tuple(transformer_layer_cls))
+
+
+def size_based_auto_wrap_policy(
+    module: nn.Module,
+    recurse: bool,
+    nonwrapped_numel: int,
+    min_num_params: int = int(1e8),
+    force_leaf_modules: Optional[Set[Type[nn.Module]]] = None,
+    exclude_wrap_modules: Optional[Set[Type[nn.Module]]] = None,
+) -> bool:
+    """Wrap a module once the numel not yet wrapped below it reaches ``min_num_params``. Modules of
+    ``force_leaf_modules`` are not recursed into and those of ``exclude_wrap_modules`` never wrapped
+    (defaults: the function's ``FORCE_LEAF_MODULES`` and ``EXCLUDE_WRAP_MODULES``, as torch's)."""
+    leaves = size_based_auto_wrap_policy.FORCE_LEAF_MODULES if force_leaf_modules is None else force_leaf_modules
+    excluded = size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES if exclude_wrap_modules is None else exclude_wrap_modules
+    if nonwrapped_numel < min_num_params:
+        return False
+    return not isinstance(module, tuple(leaves if recurse else excluded))
+
+
+size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES = {nn.ModuleList, nn.ModuleDict}  # type: ignore[attr-defined]
+size_based_auto_wrap_policy.FORCE_LEAF_MODULES = {nn.MultiheadAttention}  # type: ignore[attr-defined]
+
+
+class _ManualWrapContext:
+    """The one piece of global state the public API forces: what ``wrap()`` does inside ``enable_wrap``."""
+
+    wrapper_cls: Optional[Callable[..., nn.Module]] = None
+    kwargs: Dict[str, Any] = {}
+
+
+@contextlib.contextmanager
+def enable_wrap(*, wrapper_cls: Any, **wrapper_kwargs: Any) -> Iterator[None]:
+    """Within, ``wrap(module)`` returns ``wrapper_cls(module, **wrapper_kwargs)``."""
+    if _ManualWrapContext.wrapper_cls is not None:
+        raise NotImplementedError(
+            "fsdp1: enable_wrap() contexts cannot be nested; leave the outer one first, or pass the "
+            "differing arguments to wrap(module, **overrides)."
+        )
+    _ManualWrapContext.wrapper_cls, _ManualWrapContext.kwargs = wrapper_cls, wrapper_kwargs
+    try:
+        yield
+    finally:
+        _ManualWrapContext.wrapper_cls, _ManualWrapContext.kwargs = None, {}
+
+
+def wrap(module: nn.Module, **wrap_overrides: Any) -> nn.Module:
+    """Inside ``enable_wrap``, ``module`` wrapped with the context's kwargs updated by ``wrap_overrides``
+    (and by ``module._wrap_overrides``, if set); outside, ``module`` itself."""
+    if _ManualWrapContext.wrapper_cls is None:
+        return module
+    kwargs = {**_ManualWrapContext.kwargs, **wrap_overrides, **getattr(module, "_wrap_overrides", {})}
+    return _ManualWrapContext.wrapper_cls(module, **kwargs)
+
+
 AutoWrapPolicy = Union[_Policy, Callable[..., bool]]
 
 
@@ -56,6 +165,12 @@ def plan_auto_wrap(
 ) -> Dict[nn.Module, Dict[str, Any]]:
     """The submodules of ``root`` (never ``root`` itself) to wrap, children before parents, with
     the kwargs of each unit. Reads the tree only."""
+    if not isinstance(policy, _Policy) and not callable(policy):
+        raise ValueError(
+            f"fsdp1: auto_wrap_policy must be a policy object (ModuleWrapPolicy, CustomPolicy) or a callable "
+            f"(module, recurse, nonwrapped_numel) -> bool such as functools.partial(transformer_auto_wrap_policy, "
+            f"transformer_layer_cls={{Block}}), got {type(policy).__name__}."
+        )
     if isinstance(policy, _Policy):
         targets = policy._run_policy(root, ignored_modules, root_kwargs)
         targets.pop(root, None)
@@ -97,15 +212,19 @@ def _post_order(root: nn.Module) -> Tuple[nn.Module, ...]:
 
 
 def apply_wrap(root: nn.Module, planned: Dict[nn.Module, Dict[str, Any]], wrapper_cls: Callable[..., nn.Module]) -> None:
-    """Replace each planned submodule of ``root`` by ``wrapper_cls(submodule, **kwargs)``, children
-    first; a submodule reachable from two parents is wrapped once and both see the same unit."""
+    """Replace each planned submodule of ``root`` by ``wrapper_cls(submodule, **kwargs)`` (updated by the
+    submodule's ``_wrap_overrides``, as torch's), children first; a submodule reachable from two
+    parents is wrapped once and both see the same unit."""
     wrapped: Dict[nn.Module, nn.Module] = {}
 
     def visit(module: nn.Module) -> None:
         for name, child in list(module.named_children()):
             if child not in wrapped:
                 visit(child)
-                wrapped[child] = wrapper_cls(child, **planned[child]) if child in planned else child
+                if child in planned:
+                    wrapped[child] = wrapper_cls(child, **{**planned[child], **getattr(child, "_wrap_overrides", {})})
+                else:
+                    wrapped[child] = child
             if wrapped[child] is not child:
                 setattr(module, name, wrapped[child])
 

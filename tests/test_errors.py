@@ -90,6 +90,10 @@ def _wrapped_twice(use_orig_params):
     return "no error"
 
 
+def _yes_for_linear(module):
+    return "yes" if isinstance(module, nn.Linear) else False
+
+
 def _no_sync_on_inner_unit():
     model = FSDP(Blocks(), auto_wrap_policy=LinearPolicy)
     model(torch.ones(1, 4)).sum().backward()
@@ -141,6 +145,13 @@ class TestErrors(expecttest.TestCase):
 
     def test_parameter_shared_across_units(self):
         self.assertExpectedInline(self.construction_error(_shared_across_units, auto_wrap_policy=LinearPolicy), """ValueError: fsdp1: parameter 'head.weight' is shared between unit 'head' and unit 'blocks.0'; a parameter can belong to one unit only. Wrap the modules that share it in one unit (e.g. leave the tied embedding and output layer to their common parent).""")
+
+    def test_policy_that_is_neither_callable_nor_a_policy(self):
+        self.assertExpectedInline(self.construction_error(Blocks, auto_wrap_policy={nn.Linear}), """ValueError: fsdp1: auto_wrap_policy must be a policy object (ModuleWrapPolicy, CustomPolicy) or a callable (module, recurse, nonwrapped_numel) -> bool such as functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}), got set.""")
+
+    def test_custom_policy_returning_neither_bool_nor_dict(self):
+        policy = fsdp1.wrap.CustomPolicy(_yes_for_linear)
+        self.assertExpectedInline(self.construction_error(Blocks, auto_wrap_policy=policy), """ValueError: fsdp1: CustomPolicy's lambda_fn returned 'yes' for module 'blocks.0'; it must return True, False or a dict of FullyShardedDataParallel keyword arguments for that unit.""")
 
     def test_wrapping_the_same_module_twice(self):
         for use_orig_params in (False, True):
