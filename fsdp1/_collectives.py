@@ -6,7 +6,7 @@ a ``Work`` also orders the current CUDA stream after the collective, which is wh
 streams of its own (see DESIGN.md §4). Version shims and backend-specific choices live here too.
 """
 
-from typing import Optional, Tuple, Union
+from typing import Any, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -92,3 +92,15 @@ class PairwiseExchange:
 def all_reduce(tensor: torch.Tensor, group: ProcessGroup) -> Work:
     """Sum ``tensor`` over the ranks in place."""
     return dist.all_reduce(tensor, group=group, async_op=True)
+
+
+def broadcast_from_first(tensor: torch.Tensor, group: ProcessGroup) -> Work:
+    """Overwrite ``tensor`` on every rank with the group's first rank's."""
+    return dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group, async_op=True)
+
+
+def all_gather_object(obj: Any, group: ProcessGroup) -> List[Any]:
+    """Every rank's ``obj``, in group-rank order (small metadata only: it is pickled)."""
+    gathered: List[Any] = [None] * group_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered

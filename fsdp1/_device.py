@@ -18,10 +18,7 @@ def resolve_compute_device(
     """``device_id`` when given (an int means that CUDA device), else the device of the module's
     managed parameters, which must agree."""
     if device_id is not None:
-        device = torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        return device
+        return materialization_device(device_id)
     ignored = set(ignored_params)
     devices = {p.device for p in module.parameters() if p not in ignored}
     if len(devices) > 1:
@@ -31,6 +28,17 @@ def resolve_compute_device(
             "on one device. Pass device_id=... to move the module there, or move it yourself first."
         )
     return devices.pop() if devices else torch.device("cpu")
+
+
+def materialization_device(device_id: Optional[Union[int, torch.device]]) -> torch.device:
+    """Where meta-built modules get their storage: ``device_id`` (an int means that CUDA device),
+    else the CPU, where fsdp1 runs without ``device_id``."""
+    if device_id is None:
+        return torch.device("cpu")
+    device = torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def move_to_device(obj: Any, device: torch.device) -> Any:

@@ -6,13 +6,14 @@ offending parameter and leaves the user's module exactly as it was.
 """
 
 import warnings
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+import torch
 from torch import nn
 
 from . import _collectives as comm
 from ._flat_param import FLATTENED, FlatParameter, ParamSlot
-from ._traversal import clean_fqn, is_fsdp_unit, iter_param_slots
+from ._traversal import clean_fqn, is_fsdp_unit, iter_param_slots, iter_unit_submodules
 from .api import CPUOffload, ShardingStrategy, coerce_enum
 from .wrap import AutoWrapPolicy, apply_wrap, plan_auto_wrap
 
@@ -25,8 +26,6 @@ def reject_unsupported(**arguments: Any) -> None:
     defaults = {
         "mixed_precision": None,
         "ignored_modules": None,
-        "param_init_fn": None,
-        "sync_module_states": False,
         "ignored_states": None,
         "device_mesh": None,
     }
@@ -197,3 +196,77 @@ def _check_not_flattened(unit_path: str, slots: Sequence[ParamSlot]) -> None:
                 f"parameter '{slot.fqn}' was flattened by it). Wrap each module object once; to nest units, "
                 "wrap the existing FullyShardedDataParallel instance instead of its module."
             )
+
+
+def check_param_init_fn(param_init_fn: Any) -> None:
+    if param_init_fn is not None and not callable(param_init_fn):
+        raise ValueError(
+            f"fsdp1: param_init_fn must be callable (it is called with each module to initialise), got "
+            f"{type(param_init_fn).__name__}."
+        )
+
+
+def _own_states(module: nn.Module) -> List[Any]:
+    return [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
+
+
+def materialize_meta_modules(module: nn.Module, param_init_fn: Optional[Callable[[nn.Module], None]], device: Any) -> None:
+    """Give the modules of this unit (not those of nested units, which did so as they were built)
+    real storage, so that no rank ever holds more of a meta-built model unsharded than one unit.
+
+    With ``param_init_fn`` it is called on every module of the unit, breadth first; otherwise each
+    module owning parameters or buffers gets ``to_empty`` and ``reset_parameters()``, as torch's.
+    Every module is checked before any is touched.
+    """
+    modules = [module, *iter_unit_submodules(module)]
+    if not any(t.is_meta for m in modules for t in _own_states(m)):
+        return
+    paths = {m: name for name, m in module.named_modules()}
+    if param_init_fn is None:
+        for m in modules:
+            if _own_states(m) and not callable(getattr(m, "reset_parameters", None)):
+                where = f"module '{clean_fqn(paths[m])}'" if paths.get(m) else "the module"
+                raise ValueError(
+                    f"fsdp1: {where} ({type(m).__name__}) is on the meta device but has no reset_parameters() to "
+                    "initialise it. Pass param_init_fn=..., called with each module, e.g. "
+                    "lambda m: m.to_empty(device=torch.device('cpu'), recurse=False) followed by your own init."
+                )
+    with torch.no_grad():
+        for m in modules:
+            if param_init_fn is not None:
+                param_init_fn(m)
+            elif _own_states(m):
+                m.to_empty(device=device, recurse=False)
+                m.reset_parameters()
+
+
+def sync_module_states(module: nn.Module, group: comm.ProcessGroup) -> None:
+    """Every rank takes the first rank's values of this unit's parameters and buffers. Shapes and
+    dtypes are compared first, so a mismatch raises the same error on every rank instead of hanging
+    in a broadcast of the wrong size."""
+    named = [(clean_fqn(f"{name}.{attr}" if name else attr), tensor)
+             for name, m in _unit_named_modules(module)
+             for attr, tensor in (*m._parameters.items(), *m._buffers.items()) if tensor is not None]
+    unique = list({id(tensor): (fqn, tensor) for fqn, tensor in named}.values())
+    mine = [(fqn, tuple(t.shape), str(t.dtype)) for fqn, t in unique]
+    for rank, theirs in enumerate(comm.all_gather_object(mine, group)):
+        for (fqn, shape, dtype), (_, their_shape, their_dtype) in zip(mine, theirs):
+            if (shape, dtype) != (their_shape, their_dtype):
+                raise ValueError(
+                    f"fsdp1: sync_module_states: '{fqn}' is {dtype} of shape {shape} on rank {comm.group_rank(group)} "
+                    f"but {their_dtype} of shape {their_shape} on rank {rank}; build the same model on every rank."
+                )
+        if len(theirs) != len(mine):
+            raise ValueError(
+                f"fsdp1: sync_module_states: rank {comm.group_rank(group)} has {len(mine)} parameters and buffers "
+                f"here but rank {rank} has {len(theirs)}; build the same model on every rank."
+            )
+    with torch.no_grad():
+        works = [comm.broadcast_from_first(tensor.data, group) for _, tensor in unique]
+        for work in works:
+            work.wait()
+
+
+def _unit_named_modules(module: nn.Module) -> List[Tuple[str, nn.Module]]:
+    members = {id(m) for m in iter_unit_submodules(module)}
+    return [("", module)] + [(name, m) for name, m in module.named_modules() if id(m) in members]

@@ -5,6 +5,7 @@ Read-only: nothing here changes a module. A module counts as an FSDP unit when i
 """
 
 import dataclasses
+from collections import deque
 from typing import Any, Callable, Dict, Iterator, List
 
 import torch
@@ -55,12 +56,17 @@ def iter_param_slots(
 
 
 def iter_unit_submodules(module: nn.Module) -> Iterator[nn.Module]:
-    """Every module below ``module`` (not itself) that belongs to the same unit: nested units and
-    what lies below them are left out."""
-    for child in module._modules.values():
-        if child is not None and not is_fsdp_unit(child):
-            yield child
-            yield from iter_unit_submodules(child)
+    """Every module below ``module`` (not itself) that belongs to the same unit, breadth first (the
+    order torch's FSDP1 initialises meta modules in): nested units and what lies below them are
+    left out, and a module reachable twice comes once."""
+    seen = {id(module)}
+    queue = deque([module])
+    while queue:
+        for child in queue.popleft()._modules.values():
+            if child is not None and not is_fsdp_unit(child) and id(child) not in seen:
+                seen.add(id(child))
+                queue.append(child)
+                yield child
 
 
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:

@@ -15,7 +15,7 @@ from torch.autograd.profiler import record_function
 
 from . import _collectives as comm
 from . import _init, _runtime
-from ._device import resolve_compute_device
+from ._device import materialization_device, resolve_compute_device
 from ._flat_param import FlatParameter, FlatParamHandle
 from ._init import SHARDED_STRATEGIES
 from ._runtime import TrainingState
@@ -76,11 +76,10 @@ class FullyShardedDataParallel(nn.Module):
             cpu_offload=cpu_offload,
             mixed_precision=mixed_precision,
             ignored_modules=ignored_modules,
-            param_init_fn=param_init_fn,
-            sync_module_states=sync_module_states,
             ignored_states=ignored_states,
             device_mesh=device_mesh,
         )
+        _init.check_param_init_fn(param_init_fn)
         self.process_group = _init.resolve_process_group(process_group)
         self.rank = comm.group_rank(self.process_group)
         self.world_size = comm.group_size(self.process_group)
@@ -105,10 +104,16 @@ class FullyShardedDataParallel(nn.Module):
                 forward_prefetch=forward_prefetch,
                 limit_all_gathers=limit_all_gathers,
                 use_orig_params=use_orig_params,
+                param_init_fn=param_init_fn,
+                sync_module_states=sync_module_states,
             )
             _init.auto_wrap(module, auto_wrap_policy, child_kwargs, type(self), use_orig_params)
 
-        # This unit flattens what the children left, on the compute device.
+        # This unit materialises and synchronises what the children left, then flattens it on the
+        # compute device.
+        _init.materialize_meta_modules(module, param_init_fn, materialization_device(device_id))
+        if sync_module_states:
+            _init.sync_module_states(module, self.process_group)
         slots = _init.unit_param_slots(module, use_orig_params)
         self.compute_device = resolve_compute_device(module, device_id, ())
         if device_id is not None:

@@ -8,6 +8,7 @@ import sys
 from enum import Enum
 
 import pytest
+import torch
 import torch.distributed.fsdp as torch_fsdp
 from torch.distributed.fsdp import wrap as torch_wrap
 
@@ -84,8 +85,8 @@ def test_library_never_imports_torch_fsdp():
 def test_arguments_of_later_features_are_refused_unless_left_at_their_off_value():
     from fsdp1._init import reject_unsupported
 
-    reject_unsupported(ignored_modules=[], ignored_states=None, sync_module_states=False, cpu_offload=fsdp1.CPUOffload())
-    with pytest.raises(NotImplementedError, match="sync_module_states= is not supported yet"):
-        reject_unsupported(sync_module_states=True)
+    reject_unsupported(ignored_modules=[], ignored_states=None, cpu_offload=fsdp1.CPUOffload())
+    with pytest.raises(NotImplementedError, match="ignored_modules= is not supported yet"):
+        reject_unsupported(ignored_modules=[torch.nn.Linear(1, 1)])
     with pytest.raises(NotImplementedError, match=r"cpu_offload=CPUOffload\(offload_params=True\)"):
         reject_unsupported(cpu_offload=fsdp1.CPUOffload(offload_params=True))

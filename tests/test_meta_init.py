@@ -1,0 +1,142 @@
+"""Tests deferred initialisation (issue 9): a model built on the meta device is materialised unit by
+unit (``reset_parameters`` or the user's ``param_init_fn``) exactly as torch's FSDP1 does it, never
+holding more than one unit unsharded; ``sync_module_states`` makes rank 0's values win, including
+the pattern where only rank 0 builds real weights and the others build on the meta device."""
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fsdp1
+from _harness import run_on_ranks
+from _models import D_MODEL, VOCAB, Block, fsdp1_full_params, lm_loss, max_relative_error, plain_params, relative_errors, torch_fsdp_full_params, train
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from live_memory import LiveStorageTracker  # noqa: E402
+from memory_estimator import fake_process_group  # noqa: E402
+
+FSDP = fsdp1.FullyShardedDataParallel
+POLICY_CLASSES = {Block}
+
+
+def _lm(device=None) -> nn.Module:
+    """A language model whose every parameter-owning module has ``reset_parameters``."""
+    with torch.device(device or "cpu"):
+        return nn.Sequential(nn.Embedding(VOCAB, D_MODEL), *[Block() for _ in range(6)], nn.LayerNorm(D_MODEL), nn.Linear(D_MODEL, VOCAB))
+
+
+def _wrap(model, **kwargs):
+    return FSDP(model, auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy(POLICY_CLASSES), **kwargs)
+
+
+def _from_meta(use_orig_params):
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ours = _wrap(_lm("meta"), use_orig_params=use_orig_params)
+    torch.manual_seed(0)
+    theirs = TorchFSDP(_lm("meta"), auto_wrap_policy=ModuleWrapPolicy(POLICY_CLASSES), use_orig_params=use_orig_params,
+                       device_id=torch.device("cpu"))
+    init_error = max_relative_error(fsdp1_full_params(ours), torch_fsdp_full_params(theirs))
+    reference = _lm()
+    reference.load_state_dict(fsdp1_full_params(ours))
+    ddp = DDP(reference)
+    losses = [train(m, 3, world_size, rank) for m in (ours, theirs, ddp)]
+    return init_error, losses
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_a_meta_model_initialises_as_torch_fsdp1_and_trains_like_ddp(use_orig_params):
+    for init_error, (ours, theirs, ddp) in run_on_ranks(2, _from_meta, use_orig_params):
+        assert init_error == 0.0  # the same values as torch's unit-by-unit reset_parameters()
+        assert ours == theirs
+        assert relative_errors(ours, ddp) <= 1e-5
+
+
+def construction_peak(world_size=8):
+    """Peak live bytes while wrapping the meta-built model, as rank 0 of a fake group; and the bytes
+    of all local shards plus the largest unit's padded unsharded flat parameter. The meta model is
+    built before counting starts: the tracker counts meta tensors at their size, for the estimator."""
+    meta_model = _lm("meta")
+    with fake_process_group(world_size), LiveStorageTracker() as tracker:
+        model = _wrap(meta_model)
+        handles = [u._handle for u in FSDP.fsdp_modules(model) if u._handle is not None]
+        shards = sum(h._local_shard.nbytes for h in handles)
+        largest_unit = max(h._padded_numel * h._local_shard.element_size() for h in handles)
+        return tracker.peak, shards, largest_unit
+
+
+def test_construction_from_meta_never_holds_more_than_one_unit_unsharded():
+    peak, shards, largest_unit = construction_peak()
+    whole_model = sum(p.numel() * 4 for p in _lm("meta").parameters())
+    # One unit is alive twice at its flattening (its materialised parameters and their concatenation).
+    assert peak <= shards + 2 * largest_unit, (peak, shards, largest_unit)
+    assert peak < whole_model / 2, (peak, whole_model)  # as rank 0 of 8
+
+
+# ---------------------------------------------------------------------------------------------- sync_module_states
+def _synced(pattern, use_orig_params):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    rank0_model = _lm()  # what rank 0 builds, the same on every rank, for the DDP oracle
+    if pattern == "different seeds":
+        torch.manual_seed(rank)
+        ours = _wrap(_lm(), sync_module_states=True, use_orig_params=use_orig_params)
+    else:  # rank 0 builds real weights, the others on the meta device
+        local = copy.deepcopy(rank0_model) if rank == 0 else _lm("meta")
+        ours = _wrap(local, sync_module_states=True, use_orig_params=use_orig_params,
+                     param_init_fn=lambda m: m.to_empty(device=torch.device("cpu"), recurse=False))
+    init_error = max_relative_error(fsdp1_full_params(ours), plain_params(rank0_model))
+    ddp = DDP(copy.deepcopy(rank0_model))
+    losses = [train(m, 3, world_size, rank) for m in (ours, ddp)]
+    return init_error, losses, max_relative_error(fsdp1_full_params(ours), plain_params(ddp))
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+@pytest.mark.parametrize("pattern", ["different seeds", "rank 0 real, others meta"])
+def test_sync_module_states_makes_rank_0_win(pattern, use_orig_params):
+    for init_error, (ours, ddp), error in run_on_ranks(2, _synced, pattern, use_orig_params):
+        assert init_error == 0.0
+        assert relative_errors(ours, ddp) <= 1e-5 and error <= 1e-5
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+class NoReset(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+def _errors():
+    messages = []
+    for make in (
+        lambda: FSDP(nn.Linear(2, 2), param_init_fn=3),
+        lambda: FSDP(nn.Sequential(nn.Linear(3, 3, device="meta"), NoReset().to("meta"))),
+        lambda: FSDP(nn.Linear(2, 2 + dist.get_rank()), sync_module_states=True),
+    ):
+        try:
+            make()
+            messages.append("no error")
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
+
+
+def test_bad_input_names_the_module_and_fails_on_every_rank():
+    results = run_on_ranks(2, _errors)
+    assert results[0][0] == "fsdp1: param_init_fn must be callable (it is called with each module to initialise), got int."
+    assert results[0][1].startswith("fsdp1: module '1' (NoReset) is on the meta device but has no reset_parameters()")
+    # The shape mismatch is found before any broadcast, on both ranks.
+    assert results[0][2] == "fsdp1: sync_module_states: 'weight' is torch.float32 of shape (2, 2) on rank 0 but torch.float32 of shape (3, 2) on rank 1; build the same model on every rank."
+    assert results[1][2] == "fsdp1: sync_module_states: 'weight' is torch.float32 of shape (3, 2) on rank 1 but torch.float32 of shape (2, 2) on rank 0; build the same model on every rank."
