@@ -6,7 +6,7 @@ offending parameter and leaves the user's module exactly as it was.
 """
 
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -164,12 +164,20 @@ def validate_unit_params(unit_path: str, slots: Sequence[ParamSlot], use_orig_pa
                 "module to one device before wrapping."
             )
         if not use_orig_params and param.requires_grad != first.param.requires_grad:
-            trainable, frozen = (slot, first) if param.requires_grad else (first, slot)
+            trainable = _names(s.fqn for s in slots if s.param.requires_grad)
+            frozen = _names(s.fqn for s in slots if not s.param.requires_grad)
             raise ValueError(
-                f"fsdp1: {unit} mixes trainable '{trainable.fqn}' and frozen '{frozen.fqn}' parameters, but with "
+                f"fsdp1: {unit} mixes trainable parameters ({trainable}) and frozen ones ({frozen}), but with "
                 "use_orig_params=False a unit's one FlatParameter has one requires_grad. Pass "
                 "use_orig_params=True, or wrap the frozen submodules as units of their own."
             )
+
+
+def _names(fqns: Iterable[str], most: int = 6) -> str:
+    """Quoted names, the first ``most`` of them and how many more."""
+    fqns = list(dict.fromkeys(fqns))
+    shown = ", ".join(f"'{fqn}'" for fqn in fqns[:most])
+    return shown if len(fqns) <= most else f"{shown} and {len(fqns) - most} more"
 
 
 def _check_not_shared_across_units(unit_path: str, slots: Sequence[ParamSlot], owners: Dict[nn.Parameter, str]) -> None:

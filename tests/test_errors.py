@@ -67,6 +67,13 @@ def _mixed_requires_grad():
     return model
 
 
+def _half_frozen_stack():
+    model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(8)])
+    for layer in model[:4]:
+        layer.requires_grad_(False)
+    return model
+
+
 def _already_wrapped():
     model = Blocks()
     model.blocks[1] = FSDP(model.blocks[1])
@@ -138,7 +145,10 @@ class TestErrors(expecttest.TestCase):
         self.assertExpectedInline(self.construction_error(_scalar_param), """ValueError: fsdp1: parameter 'blocks.0.scale' is a 0-dim (scalar) tensor, which FSDP cannot flatten. Make it a 1-D tensor, e.g. nn.Parameter(value.reshape(1)).""")
 
     def test_mixed_requires_grad_without_use_orig_params(self):
-        self.assertExpectedInline(self.construction_error(_mixed_requires_grad, auto_wrap_policy=LinearPolicy), """ValueError: fsdp1: unit 'head' mixes trainable 'head.bias' and frozen 'head.weight' parameters, but with use_orig_params=False a unit's one FlatParameter has one requires_grad. Pass use_orig_params=True, or wrap the frozen submodules as units of their own.""")
+        self.assertExpectedInline(self.construction_error(_mixed_requires_grad, auto_wrap_policy=LinearPolicy), """ValueError: fsdp1: unit 'head' mixes trainable parameters ('head.bias') and frozen ones ('head.weight'), but with use_orig_params=False a unit's one FlatParameter has one requires_grad. Pass use_orig_params=True, or wrap the frozen submodules as units of their own.""")
+
+    def test_mixed_requires_grad_lists_both_groups(self):
+        self.assertExpectedInline(self.construction_error(_half_frozen_stack), """ValueError: fsdp1: the root unit mixes trainable parameters ('4.weight', '4.bias', '5.weight', '5.bias', '6.weight', '6.bias' and 2 more) and frozen ones ('0.weight', '0.bias', '1.weight', '1.bias', '2.weight', '2.bias' and 2 more), but with use_orig_params=False a unit's one FlatParameter has one requires_grad. Pass use_orig_params=True, or wrap the frozen submodules as units of their own.""")
 
     def test_auto_wrap_of_a_module_that_holds_a_unit(self):
         self.assertExpectedInline(self.construction_error(_already_wrapped, auto_wrap_policy=LinearPolicy), """ValueError: fsdp1: auto_wrap_policy needs a module without FSDP units inside, but 'blocks.1' is already a FullyShardedDataParallel unit. Pass the unwrapped module with auto_wrap_policy, or wrap every unit by hand without it.""")
