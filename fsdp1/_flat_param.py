@@ -211,7 +211,8 @@ class FlatParamHandle:
         self.flat_param = FlatParameter(self._local_shard, requires_grad=requires_grad)
         self._set_flat_param_metadata(chunk)
         self._unsharded_buffer = unsharded
-        self._placeholders = self._make_placeholders("")
+        self._path = ""  # the unit's clean path from its root, for error messages
+        self._placeholders = self._make_placeholders()
         for slot in self._slots:
             setattr(slot.param, FLATTENED, True)
         self._install_initial_views()
@@ -254,13 +255,14 @@ class FlatParamHandle:
         flat._sharded_size = torch.Size([chunk])
         flat._shard_numel_padded = self._span.numel_padded
 
-    def _make_placeholders(self, path: str) -> List[torch.Tensor]:
-        prefix = f"{path}." if path else ""
+    def _make_placeholders(self) -> List[torch.Tensor]:
+        prefix = f"{self._path}." if self._path else ""
         return [ShardedParamPlaceholder(prefix + s.fqn, shape, self._local_shard) for s, shape in zip(self._slots, self._shapes)]
 
     def set_path(self, path: str) -> None:
         """The unit's clean path from its root, so that errors name parameters as the user's model does."""
-        self._placeholders = self._make_placeholders(path)
+        self._path = path
+        self._placeholders = self._make_placeholders()
         if self.state is HandleState.SHARDED and not self.use_orig_params:
             self._install(self._placeholders, as_parameters=False)
 
@@ -279,12 +281,15 @@ class FlatParamHandle:
         if self.use_orig_params:
             self._point_orig_params_at_shard()
             return
-        for slot in self._all_slots():
-            del slot.module._parameters[slot.attr]
+        self._register_flat_param_in_place_of_originals()
         self._slots = tuple(dataclasses.replace(slot, param=None) for slot in self._slots)
         self._shared_slots = tuple((dataclasses.replace(slot, param=None), i) for slot, i in self._shared_slots)
-        self._owner._parameters[FLAT_PARAM] = self.flat_param
         self._install(self._unflatten(self._unsharded_buffer.detach()), as_parameters=False)
+
+    def _register_flat_param_in_place_of_originals(self) -> None:
+        for slot in self._all_slots():
+            del slot.module._parameters[slot.attr]
+        self._owner._parameters[FLAT_PARAM] = self.flat_param
 
     def _point_orig_params_at_shard(self) -> None:
         with torch.no_grad():
@@ -470,10 +475,8 @@ class FlatParamHandle:
     def _hide_full_params(self) -> None:
         if self.use_orig_params:
             self._point_orig_params_at_shard()
-            return
-        for slot in self._all_slots():
-            del slot.module._parameters[slot.attr]
-        self._owner._parameters[FLAT_PARAM] = self.flat_param
+        else:
+            self._register_flat_param_in_place_of_originals()
 
     # ----------------------------------------------------------------------------- module conversions
     @contextlib.contextmanager
@@ -487,9 +490,7 @@ class FlatParamHandle:
         if not self.use_orig_params:
             yield
             return
-        for slot in self._all_slots():
-            del slot.module._parameters[slot.attr]
-        self._owner._parameters[FLAT_PARAM] = self.flat_param
+        self._register_flat_param_in_place_of_originals()
         try:
             yield
         finally:
@@ -500,18 +501,15 @@ class FlatParamHandle:
         """After a dtype or device conversion of the (sharded) flat parameter: the local shard, the
         unsharded buffer, the views and the gradient views follow it."""
         self._local_shard = self.flat_param.data
+        self._placeholders = self._make_placeholders()
+        if self.use_orig_params:
+            self._point_orig_params_at_shard()
         if self.is_sharded:
             self._unsharded_buffer = self._local_shard.new_empty(self._padded_numel)
             self._free_unsharded()
         else:
             self._unsharded_buffer = self._local_shard
-        self._placeholders = [ShardedParamPlaceholder(p._fqn, p.shape, self._local_shard) for p in self._placeholders]
-        if self.use_orig_params:
-            self._point_orig_params_at_shard()
-        elif self.is_sharded:
-            self._install(self._placeholders, as_parameters=False)
-        else:
-            self._install(self._unflatten(self._unsharded_buffer.detach()), as_parameters=False)
+            self.use_resting_views()
         if not self._grad_is_unreduced:
             self._set_grad_for_optim(self.flat_param.grad)
 

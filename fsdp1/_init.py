@@ -226,14 +226,14 @@ def materialize_meta_modules(module: nn.Module, param_init_fn: Optional[Callable
     module owning parameters or buffers gets ``to_empty`` and ``reset_parameters()``, as torch's.
     Every module is checked before any is touched.
     """
-    modules = [module, *iter_unit_submodules(module)]
+    named = _unit_named_modules(module)
+    modules = [m for _, m in named]
     if not any(t.is_meta for m in modules for t in _own_states(m)):
         return
-    paths = {m: name for name, m in module.named_modules()}
     if param_init_fn is None:
-        for m in modules:
+        for name, m in named:
             if _own_states(m) and not callable(getattr(m, "reset_parameters", None)):
-                where = f"module '{clean_fqn(paths[m])}'" if paths.get(m) else "the module"
+                where = f"module '{clean_fqn(name)}'" if name else "the module"
                 raise ValueError(
                     f"fsdp1: {where} ({type(m).__name__}) is on the meta device but has no reset_parameters() to "
                     "initialise it. Pass param_init_fn=..., called with each module, e.g. "
@@ -276,5 +276,6 @@ def sync_module_states(module: nn.Module, group: comm.ProcessGroup) -> None:
 
 
 def _unit_named_modules(module: nn.Module) -> List[Tuple[str, nn.Module]]:
-    members = {id(m) for m in iter_unit_submodules(module)}
-    return [("", module)] + [(name, m) for name, m in module.named_modules() if id(m) in members]
+    """``module`` and the modules of its unit with their names, breadth first (torch's order)."""
+    names = {id(m): name for name, m in module.named_modules()}
+    return [(names[id(m)], m) for m in (module, *iter_unit_submodules(module))]

@@ -157,12 +157,17 @@ class RootState:
         while self._reductions:
             self._reductions.popleft().work.wait()
         for unit in self.units:
-            if unit._handle is not None:
-                unit._handle.abandon_backward()
-            unit.training_state = TrainingState.IDLE
-            unit._awaits_pre_backward = False
-            unit._awaits_reduction = False
+            _reset_unit(unit)
         self.is_final_callback_queued = False
+
+
+def _reset_unit(unit: "Unit") -> None:
+    """The unit sharded, IDLE and awaiting nothing, its gradients as before the aborted call."""
+    if unit._handle is not None:
+        unit._handle.abandon_backward()
+    unit.training_state = TrainingState.IDLE
+    unit._awaits_pre_backward = False
+    unit._awaits_reduction = False
 
 
 def lazy_init(unit: "Unit") -> None:
@@ -276,16 +281,20 @@ def abort_forward(unit: "Unit") -> None:
         return
     if unit._is_root:
         unit._root_state.recover()
-        return
-    if unit._handle is not None:
-        unit._handle.abandon_backward()
-    unit.training_state = TrainingState.IDLE
+    else:
+        _reset_unit(unit)
+
+
+def _current_graph_task() -> int:
+    """The autograd graph task running now (-1 outside backward); a reentrant checkpoint's
+    recomputation runs its backward as a nested task."""
+    return torch._C._current_graph_task_id()
 
 
 def _inside_backward() -> bool:
     """A root forward inside a backward is a recomputation (activation checkpointing around the
     root), not a new iteration."""
-    return torch._C._current_graph_task_id() != -1
+    return _current_graph_task() != -1
 
 
 @eager_only
@@ -326,7 +335,7 @@ def _pre_backward(unit: "Unit", grad: torch.Tensor) -> None:
         if unit.training_state is TrainingState.FORWARD_BACKWARD:
             return
         unit._awaits_pre_backward = False
-        unit._backward_graph_task = torch._C._current_graph_task_id()
+        unit._backward_graph_task = _current_graph_task()
         unit.training_state = TrainingState.FORWARD_BACKWARD
         handle = unit._handle
         if handle is not None:
@@ -384,7 +393,7 @@ def _post_backward(unit: "Unit", flat_param: torch.Tensor) -> None:
                 "(backward with create_graph=True); FSDP does not support gradients of gradients. "
                 "Call backward() without create_graph."
             )
-        if torch._C._current_graph_task_id() != unit._backward_graph_task:
+        if _current_graph_task() != unit._backward_graph_task:
             unit._awaits_reduction = True
             return
         _reduce_and_reshard(state, unit)
