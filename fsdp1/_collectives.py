@@ -10,6 +10,7 @@ from typing import Any, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh  # noqa: F401 (re-exported for _init)
 
 ProcessGroup = dist.ProcessGroup
 Work = dist.Work
@@ -25,6 +26,11 @@ def is_initialized() -> bool:
 
 def default_group() -> ProcessGroup:
     return dist.group.WORLD
+
+
+def mesh_groups(mesh: DeviceMesh) -> List[ProcessGroup]:
+    """The process group of each of ``mesh``'s dimensions, in dimension order."""
+    return [mesh.get_group(mesh_dim=dim) for dim in range(mesh.ndim)]
 
 
 def group_rank(group: ProcessGroup) -> int:

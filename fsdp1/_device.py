@@ -19,8 +19,8 @@ def resolve_compute_device(
     managed parameters, which must agree."""
     if device_id is not None:
         return materialization_device(device_id)
-    ignored = set(ignored_params)
-    devices = {p.device for p in module.parameters() if p not in ignored}
+    ignored = {id(p) for p in ignored_params}
+    devices = {p.device for p in module.parameters() if id(p) not in ignored}
     if len(devices) > 1:
         names = ", ".join(sorted(str(d) for d in devices))
         raise RuntimeError(

@@ -163,6 +163,9 @@ class GradReduction:
 
     def finish(self) -> None:
         self.work.wait()
+        replicate_group = self.handle.replicate_group
+        if replicate_group is not None:
+            comm.all_reduce(self.reduced, replicate_group).wait()
         self.handle._accumulate_reduced_grad(self.reduced)
 
 
@@ -170,7 +173,9 @@ class FlatParamHandle:
     """Flattens, shards, unshards and reshards one unit's parameters and reduces their gradient.
 
     ``owner`` is the module whose ``_parameters`` holds the FlatParameter (use_orig_params=False), so
-    that ``module.parameters()`` and the optimizer see it.
+    that ``module.parameters()`` and the optimizer see it. ``group`` is the group the unit shards
+    over; ``replicate_group`` (hybrid strategies) holds the ranks with the same shard, over which the
+    reduced gradient is then all-reduced.
     """
 
     def __init__(
@@ -178,18 +183,24 @@ class FlatParamHandle:
         slots: Sequence[ParamSlot],
         owner: nn.Module,
         group: comm.ProcessGroup,
+        replicate_group: Optional[comm.ProcessGroup],
         is_sharded: bool,
         use_orig_params: bool,
     ) -> None:
         self.group = group
+        self.replicate_group = replicate_group
         self.rank = comm.group_rank(group)
         self.world_size = comm.group_size(group)
         self.is_sharded = is_sharded
         self.use_orig_params = use_orig_params
         self._owner = owner
         self._slots, self._shared_slots = _split_shared(slots)
-        self._managed_params: Dict[int, "weakref.ref[nn.Parameter]"] = {id(s.param): weakref.ref(s.param) for s in slots}
-        self._pre_divide, self._post_divide = gradient_divide_factors(self.world_size)
+        # id -> (weak reference, fqn of its first registration): identity, never tensor ==
+        self._managed_params: Dict[int, Tuple["weakref.ref[nn.Parameter]", str]] = {}
+        for slot in slots:
+            self._managed_params.setdefault(id(slot.param), (weakref.ref(slot.param), slot.fqn))
+        replicas = comm.group_size(replicate_group) if replicate_group is not None else 1
+        self._pre_divide, self._post_divide = gradient_divide_factors(self.world_size * replicas)
 
         first = self._slots[0].param
         self._shapes = tuple(slot.param.shape for slot in self._slots)
@@ -301,9 +312,17 @@ class FlatParamHandle:
     def fqns(self) -> Tuple[str, ...]:
         return self.flat_param._fqns
 
+    def param_modules(self) -> List[nn.Module]:
+        """The modules that hold this unit's parameters, each once."""
+        return list({id(slot.module): slot.module for slot in self._all_slots()}.values())
+
     def manages(self, param: nn.Parameter) -> bool:
-        ref = self._managed_params.get(id(param))
-        return ref is not None and ref() is param
+        return self.fqn_of(param) is not None
+
+    def fqn_of(self, param: nn.Parameter) -> Optional[str]:
+        """The name (relative to the unit) under which this unit flattened ``param``, if it did."""
+        ref, fqn = self._managed_params.get(id(param), (None, None))
+        return fqn if ref is not None and ref() is param else None
 
     # ----------------------------------------------------------------------------- unshard / reshard
     def unshard(self) -> None:
@@ -557,7 +576,8 @@ class FlatParamHandle:
             self.flat_param.grad = None
 
     def reduce_grad(self) -> GradReduction:
-        """Start reducing this step's unsharded gradient: mean over the ranks, this rank's shard kept."""
+        """Start reducing this step's unsharded gradient: mean over the ranks, this rank's shard kept.
+        Under a hybrid strategy the shard is all-reduced across the replicas when it is finished."""
         grad = self.flat_param.grad
         self.flat_param.grad = None
         self._grad_is_unreduced = False

@@ -5,30 +5,29 @@ Validation runs over the whole auto-wrap plan first, so bad input raises with th
 offending parameter and leaves the user's module exactly as it was.
 """
 
+import dataclasses
+import functools
 import warnings
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
 
 from . import _collectives as comm
 from ._flat_param import FLATTENED, FlatParameter, ParamSlot
-from ._traversal import clean_fqn, is_fsdp_unit, iter_param_slots, iter_unit_submodules
+from ._traversal import clean_fqn, is_fsdp_unit, iter_outermost_units, iter_param_slots, iter_unit_submodules, unit_paths
 from .api import CPUOffload, ShardingStrategy, coerce_enum
 from .wrap import AutoWrapPolicy, apply_wrap, plan_auto_wrap
 
-SHARDED_STRATEGIES = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP)
+HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+SHARDED_STRATEGIES = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP) + HYBRID_STRATEGIES
+# Strategies that free the unsharded parameters after forward; the others keep them for backward.
+RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
 
 
 def reject_unsupported(**arguments: Any) -> None:
     """Constructor arguments torch accepts whose features fsdp1 does not have yet: refuse them loudly
     rather than train differently from what the script asked for."""
-    defaults = {
-        "mixed_precision": None,
-        "ignored_modules": None,
-        "ignored_states": None,
-        "device_mesh": None,
-    }
     for name, value in arguments.items():
         if name == "cpu_offload":
             if value is not None and getattr(value, "offload_params", False):
@@ -36,34 +35,82 @@ def reject_unsupported(**arguments: Any) -> None:
                     "fsdp1: cpu_offload=CPUOffload(offload_params=True) is not supported yet; "
                     "remove the argument to keep parameters on the compute device."
                 )
-        elif value:  # None, False and empty iterables all mean "not used", as in torch
-            raise NotImplementedError(
-                f"fsdp1: {name}= is not supported yet; remove the argument (its default is {defaults[name]!r})."
-            )
+        elif value is not None:
+            raise NotImplementedError(f"fsdp1: {name}= is not supported yet; remove the argument (its default is None).")
 
 
-def resolve_process_group(process_group: Optional[comm.ProcessGroup]) -> comm.ProcessGroup:
+@dataclasses.dataclass(frozen=True)
+class ProcessGroups:
+    """The groups a unit communicates over: it shards over ``shard`` and, under a hybrid strategy,
+    all-reduces its sharded gradient over ``replicate`` (None when there is no replica to sync)."""
+
+    shard: comm.ProcessGroup
+    replicate: Optional[comm.ProcessGroup]
+    mesh: Optional[comm.DeviceMesh]
+
+
+def resolve_process_groups(process_group: Any, device_mesh: Any, strategy: ShardingStrategy) -> ProcessGroups:
+    """Where a unit shards and replicates: the default group, ``process_group``, a 1-D ``device_mesh``,
+    or for the hybrid strategies a 2-D mesh (dimension 0 replicates, 1 shards, as torch's) or a
+    ``(shard_group, replicate_group)`` pair."""
     if not comm.is_initialized():
         raise RuntimeError(
             "fsdp1: torch.distributed is not initialized. Call torch.distributed.init_process_group() "
             "(e.g. under torchrun) before wrapping the model."
         )
-    if process_group is not None and not isinstance(process_group, comm.ProcessGroup):
+    if process_group is not None and device_mesh is not None:
         raise ValueError(
-            f"fsdp1: process_group must be a torch.distributed ProcessGroup, got {type(process_group).__name__}; "
-            "hybrid strategies with a (shard, replicate) tuple are not supported yet."
+            "fsdp1: pass process_group or device_mesh, not both: each says which ranks this unit shards "
+            "over. Keep device_mesh (it also names the replicate dimension for HYBRID_SHARD)."
         )
-    return process_group if process_group is not None else comm.default_group()
+    hybrid = strategy in HYBRID_STRATEGIES
+    groups: Tuple[Any, ...]
+    if device_mesh is not None:
+        if not isinstance(device_mesh, comm.DeviceMesh):
+            raise ValueError(f"fsdp1: device_mesh must be a torch.distributed DeviceMesh, got {type(device_mesh).__name__}.")
+        wanted = 2 if hybrid else 1
+        if device_mesh.ndim != wanted:
+            shape = "a 2-D mesh (replicate, shard)" if hybrid else "a 1-D mesh"
+            raise ValueError(
+                f"fsdp1: sharding_strategy={strategy} needs {shape}, but device_mesh is {device_mesh.ndim}-D "
+                f"(shape {tuple(device_mesh.shape)}). Build it with init_device_mesh(device_type, "
+                f"{'(replicas, shard_size)' if hybrid else '(world_size,)'})."
+            )
+        groups = tuple(reversed(comm.mesh_groups(device_mesh)))  # (shard, replicate) for 2-D
+    elif isinstance(process_group, tuple):
+        groups = process_group
+        if not hybrid or len(groups) != 2 or not all(isinstance(g, comm.ProcessGroup) for g in groups):
+            raise ValueError(
+                "fsdp1: a tuple process_group means (shard_group, replicate_group) and is only for "
+                f"HYBRID_SHARD and _HYBRID_SHARD_ZERO2; got a tuple of {len(groups)} with sharding_strategy={strategy}. "
+                "Pass one ProcessGroup, or set the hybrid strategy."
+            )
+    elif process_group is not None and not isinstance(process_group, comm.ProcessGroup):
+        raise ValueError(
+            f"fsdp1: process_group must be a torch.distributed ProcessGroup, got {type(process_group).__name__}."
+        )
+    else:
+        groups = (process_group if process_group is not None else comm.default_group(),)
+    if hybrid and len(groups) != 2:
+        raise ValueError(
+            f"fsdp1: sharding_strategy={strategy} shards inside one group of ranks and replicates across "
+            "another, and needs them named: pass device_mesh=init_device_mesh(device_type, (replicas, "
+            "shard_size)) or process_group=(shard_group, replicate_group)."
+        )
+    replicate = groups[1] if len(groups) == 2 and comm.group_size(groups[1]) > 1 else None
+    return ProcessGroups(groups[0], replicate, device_mesh)
 
 
-def resolve_sharding_strategy(strategy: Optional[ShardingStrategy], world_size: int) -> ShardingStrategy:
-    """FULL_SHARD by default; NO_SHARD on one rank, where sharding has nothing to split (as torch)."""
-    strategy = ShardingStrategy.FULL_SHARD if strategy is None else coerce_enum(strategy, ShardingStrategy, "sharding_strategy")
-    if strategy not in SHARDED_STRATEGIES + (ShardingStrategy.NO_SHARD,):
-        raise NotImplementedError(
-            f"fsdp1: sharding_strategy={strategy} is not supported yet; use FULL_SHARD, SHARD_GRAD_OP or NO_SHARD."
-        )
-    if world_size == 1 and strategy is not ShardingStrategy.NO_SHARD:
+def coerce_sharding_strategy(strategy: Optional[ShardingStrategy]) -> ShardingStrategy:
+    return ShardingStrategy.FULL_SHARD if strategy is None else coerce_enum(strategy, ShardingStrategy, "sharding_strategy")
+
+
+def resolve_sharding_strategy(strategy: ShardingStrategy, groups: ProcessGroups) -> ShardingStrategy:
+    """NO_SHARD when no rank has anything to split or sync with (as torch). A hybrid strategy whose
+    shard group is one rank stays hybrid: its replicas still average gradients (torch's switches to
+    NO_SHARD there and stops syncing them, pytorch#154888)."""
+    world_size = comm.group_size(groups.shard)
+    if world_size == 1 and groups.replicate is None and strategy is not ShardingStrategy.NO_SHARD:
         warnings.warn(
             "FSDP is switching to use `NO_SHARD` instead of "
             f"{strategy} since the world size is 1.",
@@ -84,14 +131,85 @@ def resolve_cpu_offload(cpu_offload: Optional[CPUOffload]) -> CPUOffload:
     return CPUOffload(offload_params=False) if cpu_offload is None else cpu_offload
 
 
+class IgnoredStates:
+    """What the user keeps out of FSDP (``ignored_modules`` with everything below them, or
+    ``ignored_states``), plus what nested units ignore, as torch's: ignored parameters stay
+    unflattened, unsharded and not averaged across ranks; ignored modules are neither wrapped,
+    materialised, synchronised nor moved. Parameters are held by identity."""
+
+    def __init__(self, modules: Iterable[nn.Module] = (), params: Iterable[nn.Parameter] = ()) -> None:
+        self.modules: Set[nn.Module] = set(modules)
+        self._params: Dict[int, nn.Parameter] = {id(p): p for p in params}
+
+    @property
+    def params(self) -> List[nn.Parameter]:
+        return list(self._params.values())
+
+    def has_param(self, param: nn.Parameter) -> bool:
+        return self._params.get(id(param)) is param
+
+
+def resolve_ignored_states(module: nn.Module, ignored_modules: Any, ignored_states: Any) -> IgnoredStates:
+    """Check and expand ``ignored_modules`` / ``ignored_states``, naming the offending entry."""
+    if ignored_modules is not None and ignored_states is not None:
+        raise ValueError(
+            "fsdp1: pass ignored_modules or ignored_states, not both; ignored_states takes modules and "
+            "parameters alike (torch deprecates ignored_modules in its favour)."
+        )
+    argument = "ignored_states" if ignored_states is not None else "ignored_modules"
+    try:
+        given = list(ignored_states if ignored_states is not None else ignored_modules or ())
+    except TypeError:
+        raise TypeError(f"fsdp1: {argument} must be an iterable of modules or parameters, got {type(ignored_states or ignored_modules).__name__}.") from None
+    given_params = [x for x in given if isinstance(x, nn.Parameter)]
+    given_modules = [x for x in given if isinstance(x, nn.Module)]
+    if len(given_params) + len(given_modules) != len(given) or (given_params and argument == "ignored_modules"):
+        odd = next(x for x in given if not isinstance(x, nn.Module))
+        raise TypeError(
+            f"fsdp1: {argument} must hold nn.Module objects{' or nn.Parameter objects' if argument == 'ignored_states' else ''}, "
+            f"got a {type(odd).__name__}."
+        )
+    if given_params and given_modules:
+        raise ValueError(
+            "fsdp1: ignored_states must hold only parameters or only modules, as torch's; it holds both. "
+            "Ignore the modules' parameters instead (ignored_states=[*m.parameters(), p])."
+        )
+    names = {id(m): clean_fqn(name) for name, m in module.named_modules()}
+    for m in given_modules:
+        if m is module:
+            raise ValueError(
+                f"fsdp1: {argument} holds the module being wrapped itself, which would leave FSDP nothing to "
+                "manage. Ignore its submodules instead, or do not wrap it."
+            )
+        if is_fsdp_unit(m):
+            where = f"'{names[id(m)]}'" if id(m) in names else "a module outside this model"
+            raise ValueError(
+                f"fsdp1: {argument} holds the FullyShardedDataParallel unit {where}; a unit cannot be ignored. "
+                "Pass the module it wraps before wrapping it, or leave it out."
+            )
+    ignored = IgnoredStates(
+        (sub for m in given_modules for sub in m.modules() if not is_fsdp_unit(sub)),
+        (p for p in given_params if not _is_flattened(p)),
+    )
+    for unit in module.modules():
+        if is_fsdp_unit(unit) and unit is not module:
+            ignored.modules |= unit._ignored.modules
+            ignored._params.update(unit._ignored._params)
+    ignored._params.update(
+        (id(p), p) for m in ignored.modules for p in m.parameters() if not _is_flattened(p)
+    )
+    return ignored
+
+
 def auto_wrap(
     module: nn.Module,
     policy: AutoWrapPolicy,
     child_kwargs: Dict[str, Any],
     wrapper_cls: type,
-    use_orig_params: bool,
+    ignored: IgnoredStates,
 ) -> None:
-    """Validate every unit the policy plans, then wrap the planned submodules children-first."""
+    """Plan the units, give every parameter tied across planned units to their closest common unit
+    (pytorch#77724), validate every unit's final parameters, and only then wrap children-first."""
     for name, submodule in module.named_modules():
         if is_fsdp_unit(submodule):
             raise ValueError(
@@ -99,35 +217,110 @@ def auto_wrap(
                 f"'{name}' is already a FullyShardedDataParallel unit. Pass the unwrapped module "
                 "with auto_wrap_policy, or wrap every unit by hand without it."
             )
-    planned = plan_auto_wrap(module, policy, set(), child_kwargs)
-    paths = {m: name for name, m in module.named_modules()}
-    owners: Dict[nn.Parameter, str] = {}
-    for unit in list(planned) + [module]:
-        stop = lambda m, unit=unit: m is not unit and (m in planned or is_fsdp_unit(m))  # noqa: E731
-        prefix = paths[unit] + "." if paths[unit] else ""
-        slots = list(iter_param_slots(unit, prefix, stop))
-        validate_unit_params(paths[unit], slots, use_orig_params)
-        _check_not_shared_across_units(paths[unit], slots, owners)
-        _check_not_flattened(paths[unit], slots)
+    planned = plan_auto_wrap(module, policy, ignored.modules, child_kwargs)
+    plan = _UnitPlan(module, list(planned), ignored)
+    for unit in plan.units:
+        validate_unit_params(plan.path(unit), plan.slots(unit), child_kwargs["use_orig_params"])
+        _check_not_flattened(plan.path(unit), plan.slots(unit))
+    for unit, kwargs in planned.items():
+        left = plan.left_to_outer_units(unit)
+        if left:
+            kwargs["_params_of_outer_units"] = left
     apply_wrap(module, planned, wrapper_cls)
 
 
-def unit_param_slots(module: nn.Module, use_orig_params: bool) -> List[ParamSlot]:
-    """The parameters this unit flattens: those below it and not inside a nested unit, validated.
-    A unit around a unit (``FSDP(FSDP(m))``) flattens nothing: the inner one owns them all."""
+class _UnitPlan:
+    """Which unit flattens each parameter, before any is built. A parameter registered in modules of
+    several planned units (an embedding tied to the output head, each matched by the policy) belongs
+    to their closest common unit; the units below it leave it alone, so training is exactly DDP's."""
+
+    def __init__(self, root: nn.Module, planned: List[nn.Module], ignored: IgnoredStates) -> None:
+        self.units = planned + [root]  # children before parents
+        self._paths = {m: name for name, m in root.named_modules()}
+        self._parent: Dict[nn.Module, Optional[nn.Module]] = {root: None}
+        self._own_slots: Dict[nn.Module, List[ParamSlot]] = {}
+        is_planned = set(planned).__contains__
+        for unit in reversed(self.units):
+            prefix = self._paths[unit] + "." if self._paths[unit] else ""
+            stop = lambda m, unit=unit: m is not unit and (is_planned(m) or m in ignored.modules)  # noqa: E731
+            self._own_slots[unit] = [s for s in iter_param_slots(unit, prefix, stop) if not ignored.has_param(s.param)]
+            for sub in unit.modules():
+                if sub is not unit and is_planned(sub) and sub not in self._parent:
+                    self._parent[sub] = unit
+        reached: Dict[int, List[nn.Module]] = {}
+        for unit in self.units:
+            for slot in self._own_slots[unit]:
+                units = reached.setdefault(id(slot.param), [])
+                if unit not in units:
+                    units.append(unit)
+        self._owner = {key: functools.reduce(self._common_unit, units) for key, units in reached.items()}
+
+    def _ancestors(self, unit: Optional[nn.Module]) -> List[nn.Module]:
+        chain = []
+        while unit is not None:
+            chain.append(unit)
+            unit = self._parent[unit]
+        return chain
+
+    def _common_unit(self, a: nn.Module, b: nn.Module) -> nn.Module:
+        above_b = set(self._ancestors(b))
+        return next(unit for unit in self._ancestors(a) if unit in above_b)
+
+    def path(self, unit: nn.Module) -> str:
+        return clean_fqn(self._paths[unit])
+
+    def slots(self, unit: nn.Module) -> List[ParamSlot]:
+        """The unit's parameters once built: its own, minus those left to an outer unit, plus those
+        left to it from below."""
+        return [slot for member in self._units_within(unit) for slot in self._own_slots[member] if self._owner[id(slot.param)] is unit]
+
+    def _units_within(self, unit: nn.Module) -> List[nn.Module]:
+        """``unit`` and the planned units below it."""
+        return [u for u in self.units if unit in self._ancestors(u)]
+
+    def left_to_outer_units(self, unit: nn.Module) -> List[nn.Parameter]:
+        """Parameters in ``unit``'s subtree that a unit above it flattens."""
+        within = self._units_within(unit)
+        left = {
+            id(slot.param): slot.param
+            for member in within
+            for slot in self._own_slots[member]
+            if self._owner[id(slot.param)] not in within
+        }
+        return list(left.values())
+
+
+def _is_flattened(param: nn.Parameter) -> bool:
+    return isinstance(param, FlatParameter) or getattr(param, FLATTENED, False)
+
+
+def unit_param_slots(
+    module: nn.Module, use_orig_params: bool, ignored: IgnoredStates, left_to_outer: Iterable[nn.Parameter]
+) -> List[ParamSlot]:
+    """The parameters this unit flattens, validated: those below it and not inside a nested unit,
+    plus those inside nested units that no unit manages or ignores (a tied parameter the planner
+    left to this unit), minus the ignored ones and those left to an outer unit. A unit around a
+    unit (``FSDP(FSDP(m))``) flattens nothing: the inner one owns them all."""
     if is_fsdp_unit(module):
         return []
-    slots = list(iter_param_slots(module))
+    excluded = IgnoredStates(params=[*ignored.params, *left_to_outer])
+    is_ignored = ignored.modules.__contains__
+    own = [
+        slot
+        for slot in iter_param_slots(module, stop=lambda m: is_fsdp_unit(m) or is_ignored(m))
+        if not excluded.has_param(slot.param)
+    ]
+    nested = list(iter_outermost_units(module, stop=is_ignored))
+    _check_not_shared_across_units(own, nested)
+    _check_not_flattened("", own)
+    left_here = [
+        dataclasses.replace(slot, fqn=clean_fqn(slot.fqn))
+        for name, unit in nested
+        for slot in iter_param_slots(unit, name + ".", stop=is_ignored)
+        if not (_is_flattened(slot.param) or excluded.has_param(slot.param))
+    ]
+    slots = own + left_here
     validate_unit_params("", slots, use_orig_params)
-    owners = {
-        slot.param: clean_fqn(name)
-        for name, nested in module.named_modules()
-        if is_fsdp_unit(nested) and nested._handle is not None
-        for slot in slots
-        if nested._handle.manages(slot.param)
-    }
-    _check_not_shared_across_units("", slots, owners)
-    _check_not_flattened("", slots)
     return slots
 
 
@@ -180,17 +373,21 @@ def _names(fqns: Iterable[str], most: int = 6) -> str:
     return shown if len(fqns) <= most else f"{shown} and {len(fqns) - most} more"
 
 
-def _check_not_shared_across_units(unit_path: str, slots: Sequence[ParamSlot], owners: Dict[nn.Parameter, str]) -> None:
+def _check_not_shared_across_units(slots: Sequence[ParamSlot], nested: Sequence[Tuple[str, nn.Module]]) -> None:
+    """A parameter of this unit that a nested unit already flattened: modules tied by hand were
+    wrapped into different units (auto-wrapping leaves such a parameter to their common unit)."""
     for slot in slots:
-        owner = owners.setdefault(slot.param, unit_path)
-        if owner != unit_path:
-            where = f"unit '{owner}'" if owner else "the root unit"
-            here = f"unit '{unit_path}'" if unit_path else "the root unit"
-            raise ValueError(
-                f"fsdp1: parameter '{slot.fqn}' is shared between {here} and {where}; a parameter can "
-                "belong to one unit only. Wrap the modules that share it in one unit (e.g. leave the "
-                "tied embedding and output layer to their common parent)."
-            )
+        for name, outer in nested:
+            for unit, path in unit_paths(outer).items():
+                fqn = unit._handle.fqn_of(slot.param) if unit._handle is not None else None
+                if fqn is not None:
+                    unit_path = clean_fqn(f"{name}.{path}" if path else name)
+                    raise ValueError(
+                        f"fsdp1: parameter '{slot.fqn}' is the same tensor as '{unit_path}.{fqn}', which the unit "
+                        f"'{unit_path}' already flattened; a parameter can belong to one unit only. Wrap the "
+                        "modules that share it in one unit, or pass auto_wrap_policy, which gives a tied "
+                        "parameter to the closest unit that holds all the modules using it."
+                    )
 
 
 def _check_not_flattened(unit_path: str, slots: Sequence[ParamSlot]) -> None:
@@ -218,15 +415,18 @@ def _own_states(module: nn.Module) -> List[Any]:
     return [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
 
 
-def materialize_meta_modules(module: nn.Module, param_init_fn: Optional[Callable[[nn.Module], None]], device: Any) -> None:
-    """Give the modules of this unit (not those of nested units, which did so as they were built)
-    real storage, so that no rank ever holds more of a meta-built model unsharded than one unit.
+def materialize_meta_modules(
+    module: nn.Module, param_init_fn: Optional[Callable[[nn.Module], None]], device: Any, ignored: IgnoredStates
+) -> None:
+    """Give the modules of this unit (not those of nested units, which did so as they were built,
+    nor ignored ones) real storage, so that no rank ever holds more of a meta-built model unsharded
+    than one unit.
 
     With ``param_init_fn`` it is called on every module of the unit, breadth first; otherwise each
     module owning parameters or buffers gets ``to_empty`` and ``reset_parameters()``, as torch's.
     Every module is checked before any is touched.
     """
-    named = _unit_named_modules(module)
+    named = _unit_named_modules(module, ignored)
     modules = [m for _, m in named]
     if not any(t.is_meta for m in modules for t in _own_states(m)):
         return
@@ -248,15 +448,29 @@ def materialize_meta_modules(module: nn.Module, param_init_fn: Optional[Callable
                 m.reset_parameters()
 
 
-def sync_module_states(module: nn.Module, group: comm.ProcessGroup) -> None:
-    """Every rank takes the first rank's values of this unit's parameters and buffers. Shapes and
-    dtypes are compared first, so a mismatch raises the same error on every rank instead of hanging
-    in a broadcast of the wrong size."""
-    named = [(clean_fqn(f"{name}.{attr}" if name else attr), tensor)
-             for name, m in _unit_named_modules(module)
-             for attr, tensor in (*m._parameters.items(), *m._buffers.items()) if tensor is not None]
+def sync_module_states(module: nn.Module, slots: Sequence[ParamSlot], ignored: IgnoredStates, groups: ProcessGroups) -> None:
+    """Every rank takes the first rank's values of this unit's parameters and of the buffers of its
+    modules (not ignored ones). Shapes and dtypes are compared first, so a mismatch raises the same
+    error on every rank instead of hanging in a broadcast of the wrong size. Under a hybrid strategy
+    the replicas then take their first replica's."""
+    named = [(slot.fqn, slot.param) for slot in slots] + [
+        (clean_fqn(f"{name}.{attr}" if name else attr), buffer)
+        for name, m in _unit_named_modules(module, ignored)
+        for attr, buffer in m._buffers.items()
+        if buffer is not None
+    ]
     unique = list({id(tensor): (fqn, tensor) for fqn, tensor in named}.values())
-    mine = [(fqn, tuple(t.shape), str(t.dtype)) for fqn, t in unique]
+    for group in (groups.shard, groups.replicate):
+        if group is not None:
+            _check_same_shapes(unique, group)
+            with torch.no_grad():
+                works = [comm.broadcast_from_first(tensor.data, group) for _, tensor in unique]
+                for work in works:
+                    work.wait()
+
+
+def _check_same_shapes(named: Sequence[Tuple[str, torch.Tensor]], group: comm.ProcessGroup) -> None:
+    mine = [(fqn, tuple(t.shape), str(t.dtype)) for fqn, t in named]
     for rank, theirs in enumerate(comm.all_gather_object(mine, group)):
         for (fqn, shape, dtype), (_, their_shape, their_dtype) in zip(mine, theirs):
             if (shape, dtype) != (their_shape, their_dtype):
@@ -269,13 +483,21 @@ def sync_module_states(module: nn.Module, group: comm.ProcessGroup) -> None:
                 f"fsdp1: sync_module_states: rank {comm.group_rank(group)} has {len(mine)} parameters and buffers "
                 f"here but rank {rank} has {len(theirs)}; build the same model on every rank."
             )
+
+
+def move_to_compute_device(module: nn.Module, device: torch.device, ignored: IgnoredStates) -> None:
+    """``module.to(device)`` except ignored modules and parameters, which stay where the user put them."""
     with torch.no_grad():
-        works = [comm.broadcast_from_first(tensor.data, group) for _, tensor in unique]
-        for work in works:
-            work.wait()
+        for m in (module, *iter_unit_submodules(module, ignored.modules)):
+            for attr, param in m._parameters.items():
+                if param is not None and not ignored.has_param(param) and param.device != device:
+                    param.data = param.data.to(device)
+            for attr, buffer in m._buffers.items():
+                if buffer is not None and buffer.device != device:
+                    m._buffers[attr] = buffer.to(device)
 
 
-def _unit_named_modules(module: nn.Module) -> List[Tuple[str, nn.Module]]:
+def _unit_named_modules(module: nn.Module, ignored: IgnoredStates) -> List[Tuple[str, nn.Module]]:
     """``module`` and the modules of its unit with their names, breadth first (torch's order)."""
     names = {id(m): name for name, m in module.named_modules()}
-    return [(names[id(m)], m) for m in (module, *iter_unit_submodules(module))]
+    return [(names[id(m)], m) for m in (module, *iter_unit_submodules(module, ignored.modules))]

@@ -30,6 +30,7 @@ from torch.autograd.profiler import record_function
 
 from ._device import move_to_device
 from ._flat_param import FlatParamHandle, GradReduction, HandleTrainingState
+from ._init import RESHARD_AFTER_FORWARD
 from ._traversal import fsdp_units, iter_tensors, iter_unit_submodules, unit_paths
 from .api import BackwardPrefetch, ShardingStrategy
 
@@ -200,11 +201,15 @@ def register_forward_hooks(unit: "Unit") -> None:
     """Gather and reshard around every call of the wrapped module, not only those through the
     wrapper, and around a call of any of its submodules made from outside the unit's forward:
     ``generate()`` reaches the wrapped model through attribute forwarding and calls it, or its
-    encoder, directly, which torch's FSDP1 cannot serve without ``summon_full_params``."""
+    encoder, directly, which torch's FSDP1 cannot serve without ``summon_full_params``. A module
+    inside a nested unit that uses a tied parameter this unit holds counts as one of its submodules."""
     module = unit._fsdp_wrapped_module
     module.register_forward_pre_hook(partial(pre_forward, unit), prepend=True, with_kwargs=True)
     module.register_forward_hook(partial(post_forward, unit))
-    for submodule in iter_unit_submodules(module):
+    submodules = {id(m): m for m in iter_unit_submodules(module, unit._ignored.modules)}
+    if unit._handle is not None:
+        submodules.update((id(m), m) for m in unit._handle.param_modules() if m is not module)
+    for submodule in submodules.values():
         submodule.register_forward_pre_hook(partial(_pre_submodule_forward, unit), prepend=True, with_kwargs=True)
         submodule.register_forward_hook(partial(_post_submodule_forward, unit))
 
@@ -307,7 +312,7 @@ def post_forward(unit: "Unit", module: torch.nn.Module, args: Tuple[Any, ...], o
         if handle is not None:
             unit._root_state.order.record_post_forward(unit)
             if not torch.is_grad_enabled() or (
-                unit.sharding_strategy is ShardingStrategy.FULL_SHARD and not unit._is_root
+                unit.sharding_strategy in RESHARD_AFTER_FORWARD and not unit._is_root
             ):
                 handle.reshard()
             else:
@@ -415,7 +420,7 @@ def _reduce_and_reshard(state: RootState, unit: "Unit") -> None:
 
 def _reshards_after_backward(unit: "Unit") -> bool:
     """Inside ``no_sync`` SHARD_GRAD_OP keeps parameters unsharded for the next micro-batch."""
-    return unit._sync_gradients or unit.sharding_strategy is not ShardingStrategy.SHARD_GRAD_OP
+    return unit._sync_gradients or unit.sharding_strategy in RESHARD_AFTER_FORWARD + (ShardingStrategy.NO_SHARD,)
 
 
 def _finalize_backward(state: RootState) -> None:

@@ -6,7 +6,7 @@ Read-only: nothing here changes a module. A module counts as an FSDP unit when i
 
 import dataclasses
 from collections import deque
-from typing import Any, Callable, Dict, Iterator, List
+from typing import Any, Callable, Collection, Dict, Iterator, List, Tuple
 
 import torch
 from torch import nn
@@ -55,15 +55,27 @@ def iter_param_slots(
             yield from iter_param_slots(child, f"{prefix}{name}.", stop)
 
 
-def iter_unit_submodules(module: nn.Module) -> Iterator[nn.Module]:
+def iter_outermost_units(module: nn.Module, prefix: str = "", stop: Callable[[nn.Module], bool] = lambda m: False) -> Iterator[Tuple[str, nn.Module]]:
+    """The units below ``module`` that no other unit below it encloses, with their paths from it;
+    modules for which ``stop`` holds are not searched."""
+    for name, child in module._modules.items():
+        if child is None or stop(child):
+            continue
+        if is_fsdp_unit(child):
+            yield prefix + name, child
+        else:
+            yield from iter_outermost_units(child, f"{prefix}{name}.", stop)
+
+
+def iter_unit_submodules(module: nn.Module, ignored: Collection[nn.Module] = ()) -> Iterator[nn.Module]:
     """Every module below ``module`` (not itself) that belongs to the same unit, breadth first (the
-    order torch's FSDP1 initialises meta modules in): nested units and what lies below them are
-    left out, and a module reachable twice comes once."""
+    order torch's FSDP1 initialises meta modules in): nested units, ``ignored`` modules and what
+    lies below them are left out, and a module reachable twice comes once."""
     seen = {id(module)}
     queue = deque([module])
     while queue:
         for child in queue.popleft()._modules.values():
-            if child is not None and not is_fsdp_unit(child) and id(child) not in seen:
+            if child is not None and not is_fsdp_unit(child) and child not in ignored and id(child) not in seen:
                 seen.add(id(child))
                 queue.append(child)
                 yield child

@@ -69,21 +69,22 @@ class FullyShardedDataParallel(nn.Module):
         use_orig_params: bool = False,
         ignored_states: Optional[Iterable[Any]] = None,
         device_mesh: Optional[Any] = None,
+        *,
+        _params_of_outer_units: Iterable[nn.Parameter] = (),
     ) -> None:
         super().__init__()
         # Refuse what is not built yet, and check everything, before touching the module.
-        _init.reject_unsupported(
-            cpu_offload=cpu_offload,
-            mixed_precision=mixed_precision,
-            ignored_modules=ignored_modules,
-            ignored_states=ignored_states,
-            device_mesh=device_mesh,
-        )
+        _init.reject_unsupported(cpu_offload=cpu_offload, mixed_precision=mixed_precision)
         _init.check_param_init_fn(param_init_fn)
-        self.process_group = _init.resolve_process_group(process_group)
+        strategy = _init.coerce_sharding_strategy(sharding_strategy)
+        groups = _init.resolve_process_groups(process_group, device_mesh, strategy)
+        self.process_group = groups.shard
+        self._inter_node_pg = groups.replicate
+        self._device_mesh = device_mesh
         self.rank = comm.group_rank(self.process_group)
         self.world_size = comm.group_size(self.process_group)
-        self.sharding_strategy = _init.resolve_sharding_strategy(sharding_strategy, self.world_size)
+        self.sharding_strategy = _init.resolve_sharding_strategy(strategy, groups)
+        self._ignored = _init.resolve_ignored_states(module, ignored_modules, ignored_states)
         self.cpu_offload = _init.resolve_cpu_offload(cpu_offload)
         self.mixed_precision = mixed_precision
         self.backward_prefetch = (
@@ -93,7 +94,8 @@ class FullyShardedDataParallel(nn.Module):
         self.limit_all_gathers = limit_all_gathers
         self._use_orig_params = use_orig_params
 
-        # Children first: each planned submodule becomes its own unit with the same arguments.
+        # Children first: each planned submodule becomes its own unit with the same arguments (and
+        # the parameters it must leave to an outer unit).
         if auto_wrap_policy is not None:
             child_kwargs = dict(
                 process_group=process_group,
@@ -106,23 +108,25 @@ class FullyShardedDataParallel(nn.Module):
                 use_orig_params=use_orig_params,
                 param_init_fn=param_init_fn,
                 sync_module_states=sync_module_states,
+                ignored_states=self._ignored.params or None,
+                device_mesh=device_mesh,
             )
-            _init.auto_wrap(module, auto_wrap_policy, child_kwargs, type(self), use_orig_params)
+            _init.auto_wrap(module, auto_wrap_policy, child_kwargs, type(self), self._ignored)
 
         # This unit materialises and synchronises what the children left, then flattens it on the
         # compute device.
-        _init.materialize_meta_modules(module, param_init_fn, materialization_device(device_id))
+        _init.materialize_meta_modules(module, param_init_fn, materialization_device(device_id), self._ignored)
+        slots = _init.unit_param_slots(module, use_orig_params, self._ignored, _params_of_outer_units)
         if sync_module_states:
-            _init.sync_module_states(module, self.process_group)
-        slots = _init.unit_param_slots(module, use_orig_params)
-        self.compute_device = resolve_compute_device(module, device_id, ())
+            _init.sync_module_states(module, slots, self._ignored, groups)
+        self.compute_device = resolve_compute_device(module, device_id, self._ignored.params)
         if device_id is not None:
-            module.to(self.compute_device)
+            _init.move_to_compute_device(module, self.compute_device, self._ignored)
         self._fsdp_wrapped_module = module
         self._handle: Optional[FlatParamHandle] = None
         if slots:
-            is_sharded = self.sharding_strategy in SHARDED_STRATEGIES
-            self._handle = FlatParamHandle(slots, module, self.process_group, is_sharded, use_orig_params)
+            is_sharded = self.sharding_strategy in SHARDED_STRATEGIES and self.world_size > 1
+            self._handle = FlatParamHandle(slots, module, groups.shard, groups.replicate, is_sharded, use_orig_params)
         for unit, path in unit_paths(self).items():
             if unit._handle is not None and unit is not self:
                 unit._handle.set_path(path)

@@ -32,9 +32,13 @@ def _normalised_default(value):
 
 
 def test_constructor_keeps_torch_names_order_and_defaults():
+    """torch's parameters, in torch's order with torch's defaults; the only extra one is private and
+    keyword-only (the parameters auto-wrapping tells a nested unit to leave to an outer one)."""
     ours = inspect.signature(fsdp1.FullyShardedDataParallel.__init__).parameters
     theirs = inspect.signature(torch_fsdp.FullyShardedDataParallel.__init__).parameters
-    assert list(ours) == list(theirs)
+    assert list(ours)[: len(theirs)] == list(theirs)
+    extra = [ours[name] for name in list(ours)[len(theirs):]]
+    assert [(p.name, p.kind) for p in extra] == [("_params_of_outer_units", inspect.Parameter.KEYWORD_ONLY)]
     for name in theirs:
         assert _normalised_default(ours[name].default) == _normalised_default(theirs[name].default), name
 
@@ -85,8 +89,8 @@ def test_library_never_imports_torch_fsdp():
 def test_arguments_of_later_features_are_refused_unless_left_at_their_off_value():
     from fsdp1._init import reject_unsupported
 
-    reject_unsupported(ignored_modules=[], ignored_states=None, cpu_offload=fsdp1.CPUOffload())
-    with pytest.raises(NotImplementedError, match="ignored_modules= is not supported yet"):
-        reject_unsupported(ignored_modules=[torch.nn.Linear(1, 1)])
+    reject_unsupported(mixed_precision=None, cpu_offload=fsdp1.CPUOffload())
+    with pytest.raises(NotImplementedError, match="mixed_precision= is not supported yet"):
+        reject_unsupported(mixed_precision=fsdp1.MixedPrecision())
     with pytest.raises(NotImplementedError, match=r"cpu_offload=CPUOffload\(offload_params=True\)"):
         reject_unsupported(cpu_offload=fsdp1.CPUOffload(offload_params=True))

@@ -2,9 +2,13 @@
 parameter or module path, never ``_fsdp_wrapped_module.``, and says how to fix it. A failed
 constructor leaves the module exactly as it was. Also pins the printed structure of a wrapped model."""
 
+import functools
+
 import expecttest
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp1
 from _harness import run_on_ranks
@@ -25,14 +29,22 @@ class Blocks(nn.Module):
         return self.head(x)
 
 
+class OnRank:
+    """A constructor argument made on each rank from the model (a mesh, the model's own submodules)."""
+
+    def __init__(self, make):
+        self.make = make
+
+
 def _construction_error(make_model, kwargs):
     """The message of the constructor's exception, and whether the module was left untouched."""
     model = make_model()
+    kwargs = {name: value.make(model) if isinstance(value, OnRank) else value for name, value in kwargs.items()}
     repr_before = repr(model)
     state_before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     try:
         FSDP(model, **kwargs)
-    except (ValueError, RuntimeError, NotImplementedError) as error:
+    except (ValueError, TypeError, RuntimeError, NotImplementedError) as error:
         state_after = model.state_dict()
         untouched = (
             repr(model) == repr_before
@@ -80,10 +92,11 @@ def _already_wrapped():
     return model
 
 
-def _shared_across_units():
+def _tied_weight_split_by_hand():
     model = Blocks()
     model.head = nn.Linear(4, 4)
     model.head.weight = model.blocks[0].weight
+    model.head = FSDP(model.head)
     return model
 
 
@@ -95,6 +108,38 @@ def _wrapped_twice(use_orig_params):
     except ValueError as error:
         return str(error)
     return "no error"
+
+
+def _make_mesh(shape, model):
+    return init_device_mesh("cpu", shape)
+
+
+def _mesh(*shape):
+    return OnRank(functools.partial(_make_mesh, shape))
+
+
+def _world_group(model):
+    return dist.group.WORLD
+
+
+def _world_pair(model):
+    return (dist.group.WORLD, dist.group.WORLD)
+
+
+def _head(model):
+    return [model.head]
+
+
+def _head_and_a_weight(model):
+    return [model.head, model.blocks[0].weight]
+
+
+def _itself(model):
+    return [model]
+
+
+def _the_unit(model):
+    return [model.blocks[1]]
 
 
 def _yes_for_linear(module):
@@ -153,8 +198,9 @@ class TestErrors(expecttest.TestCase):
     def test_auto_wrap_of_a_module_that_holds_a_unit(self):
         self.assertExpectedInline(self.construction_error(_already_wrapped, auto_wrap_policy=LinearPolicy), """ValueError: fsdp1: auto_wrap_policy needs a module without FSDP units inside, but 'blocks.1' is already a FullyShardedDataParallel unit. Pass the unwrapped module with auto_wrap_policy, or wrap every unit by hand without it.""")
 
-    def test_parameter_shared_across_units(self):
-        self.assertExpectedInline(self.construction_error(_shared_across_units, auto_wrap_policy=LinearPolicy), """ValueError: fsdp1: parameter 'head.weight' is shared between unit 'head' and unit 'blocks.0'; a parameter can belong to one unit only. Wrap the modules that share it in one unit (e.g. leave the tied embedding and output layer to their common parent).""")
+    def test_tied_weight_split_across_units_by_hand(self):
+        """Auto-wrapping gives a tied weight to the units' common parent; wrapping by hand cannot."""
+        self.assertExpectedInline(self.construction_error(_tied_weight_split_by_hand), """ValueError: fsdp1: parameter 'blocks.0.weight' is the same tensor as 'head.weight', which the unit 'head' already flattened; a parameter can belong to one unit only. Wrap the modules that share it in one unit, or pass auto_wrap_policy, which gives a tied parameter to the closest unit that holds all the modules using it.""")
 
     def test_policy_that_is_neither_callable_nor_a_policy(self):
         self.assertExpectedInline(self.construction_error(Blocks, auto_wrap_policy={nn.Linear}), """ValueError: fsdp1: auto_wrap_policy must be a policy object (ModuleWrapPolicy, CustomPolicy) or a callable (module, recurse, nonwrapped_numel) -> bool such as functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}), got set.""")
@@ -162,6 +208,33 @@ class TestErrors(expecttest.TestCase):
     def test_custom_policy_returning_neither_bool_nor_dict(self):
         policy = fsdp1.wrap.CustomPolicy(_yes_for_linear)
         self.assertExpectedInline(self.construction_error(Blocks, auto_wrap_policy=policy), """ValueError: fsdp1: CustomPolicy's lambda_fn returned 'yes' for module 'blocks.0'; it must return True, False or a dict of FullyShardedDataParallel keyword arguments for that unit.""")
+
+    def test_process_group_together_with_device_mesh(self):
+        self.assertExpectedInline(self.construction_error(Blocks, process_group=OnRank(_world_group), device_mesh=_mesh(2)), """ValueError: fsdp1: pass process_group or device_mesh, not both: each says which ranks this unit shards over. Keep device_mesh (it also names the replicate dimension for HYBRID_SHARD).""")
+
+    def test_ignored_modules_together_with_ignored_states(self):
+        self.assertExpectedInline(self.construction_error(Blocks, ignored_modules=OnRank(_head), ignored_states=OnRank(_head)), """ValueError: fsdp1: pass ignored_modules or ignored_states, not both; ignored_states takes modules and parameters alike (torch deprecates ignored_modules in its favour).""")
+
+    def test_ignored_states_mixing_modules_and_parameters(self):
+        self.assertExpectedInline(self.construction_error(Blocks, ignored_states=OnRank(_head_and_a_weight)), """ValueError: fsdp1: ignored_states must hold only parameters or only modules, as torch's; it holds both. Ignore the modules' parameters instead (ignored_states=[*m.parameters(), p]).""")
+
+    def test_ignoring_the_module_being_wrapped(self):
+        self.assertExpectedInline(self.construction_error(Blocks, ignored_modules=OnRank(_itself)), """ValueError: fsdp1: ignored_modules holds the module being wrapped itself, which would leave FSDP nothing to manage. Ignore its submodules instead, or do not wrap it.""")
+
+    def test_ignoring_an_fsdp_unit(self):
+        self.assertExpectedInline(self.construction_error(_already_wrapped, ignored_modules=OnRank(_the_unit)), """ValueError: fsdp1: ignored_modules holds the FullyShardedDataParallel unit 'blocks.1'; a unit cannot be ignored. Pass the module it wraps before wrapping it, or leave it out.""")
+
+    def test_hybrid_strategy_without_a_mesh_or_group_pair(self):
+        self.assertExpectedInline(self.construction_error(Blocks, sharding_strategy=fsdp1.ShardingStrategy.HYBRID_SHARD), """ValueError: fsdp1: sharding_strategy=ShardingStrategy.HYBRID_SHARD shards inside one group of ranks and replicates across another, and needs them named: pass device_mesh=init_device_mesh(device_type, (replicas, shard_size)) or process_group=(shard_group, replicate_group).""")
+
+    def test_hybrid_strategy_with_a_one_dimensional_mesh(self):
+        self.assertExpectedInline(self.construction_error(Blocks, sharding_strategy=fsdp1.ShardingStrategy.HYBRID_SHARD, device_mesh=_mesh(2)), """ValueError: fsdp1: sharding_strategy=ShardingStrategy.HYBRID_SHARD needs a 2-D mesh (replicate, shard), but device_mesh is 1-D (shape (2,)). Build it with init_device_mesh(device_type, (replicas, shard_size)).""")
+
+    def test_full_shard_with_a_two_dimensional_mesh(self):
+        self.assertExpectedInline(self.construction_error(Blocks, device_mesh=_mesh(1, 2)), """ValueError: fsdp1: sharding_strategy=ShardingStrategy.FULL_SHARD needs a 1-D mesh, but device_mesh is 2-D (shape (1, 2)). Build it with init_device_mesh(device_type, (world_size,)).""")
+
+    def test_group_pair_without_a_hybrid_strategy(self):
+        self.assertExpectedInline(self.construction_error(Blocks, process_group=OnRank(_world_pair)), """ValueError: fsdp1: a tuple process_group means (shard_group, replicate_group) and is only for HYBRID_SHARD and _HYBRID_SHARD_ZERO2; got a tuple of 2 with sharding_strategy=ShardingStrategy.FULL_SHARD. Pass one ProcessGroup, or set the hybrid strategy.""")
 
     def test_wrapping_the_same_module_twice(self):
         for use_orig_params in (False, True):
