@@ -22,7 +22,7 @@ import dataclasses
 import weakref
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -176,6 +176,11 @@ class FlatParamHandle:
     that ``module.parameters()`` and the optimizer see it. ``group`` is the group the unit shards
     over; ``replicate_group`` (hybrid strategies) holds the ranks with the same shard, over which the
     reduced gradient is then all-reduced.
+
+    ``materialize_in_place`` is given for a unit whose parameters are still on the meta device: the
+    handle gives them storage inside the unsharded flat buffer on ``device`` and calls it with the
+    new parameters' slots to fill them there (``reset_parameters``, then ``sync_module_states``), so
+    that construction never holds the unit's parameters twice.
     """
 
     def __init__(
@@ -186,6 +191,8 @@ class FlatParamHandle:
         replicate_group: Optional[comm.ProcessGroup],
         is_sharded: bool,
         use_orig_params: bool,
+        materialize_in_place: Optional[Callable[[Sequence[ParamSlot]], None]] = None,
+        device: Optional[torch.device] = None,
     ) -> None:
         self.group = group
         self.replicate_group = replicate_group
@@ -195,10 +202,6 @@ class FlatParamHandle:
         self.use_orig_params = use_orig_params
         self._owner = owner
         self._slots, self._shared_slots = _split_shared(slots)
-        # id -> (weak reference, fqn of its first registration): identity, never tensor ==
-        self._managed_params: Dict[int, Tuple["weakref.ref[nn.Parameter]", str]] = {}
-        for slot in slots:
-            self._managed_params.setdefault(id(slot.param), (weakref.ref(slot.param), slot.fqn))
         replicas = comm.group_size(replicate_group) if replicate_group is not None else 1
         self._pre_divide, self._post_divide = gradient_divide_factors(self.world_size * replicas)
 
@@ -212,7 +215,14 @@ class FlatParamHandle:
         self._shard_infos = param_shard_infos(self._layout, self._span)
         self._split_sizes, self._piece_of_param = self._layout.split_sizes(self._padded_numel)
 
-        unsharded = self._flatten()
+        if materialize_in_place is not None:
+            unsharded = self._materialize_into_flat_buffer(materialize_in_place, device)
+        else:
+            unsharded = self._flatten()
+        # id -> (weak reference, fqn of its first registration): identity, never tensor ==
+        self._managed_params: Dict[int, Tuple["weakref.ref[nn.Parameter]", str]] = {}
+        for slot in self._all_slots():
+            self._managed_params.setdefault(id(slot.param), (weakref.ref(slot.param), slot.fqn))
         chunk = self._padded_numel // shard_world
         if is_sharded:
             self._local_shard = unsharded[self.rank * chunk : (self.rank + 1) * chunk].clone()
@@ -255,6 +265,26 @@ class FlatParamHandle:
             if self._padded_numel > self._layout.numel:
                 pieces.append(first.new_zeros(self._padded_numel - self._layout.numel))
             return torch.cat(pieces)
+
+    def _materialize_into_flat_buffer(self, materialize: Callable[[Sequence[ParamSlot]], None], device: torch.device) -> torch.Tensor:
+        """Meta parameters become Parameters viewing their place in a new unsharded flat buffer (every
+        registration of a tied one gets the same new Parameter), then ``materialize`` fills them."""
+        first = self._slots[0].param
+        flat = torch.full((self._padded_numel,), ALIGNMENT_PADDING_VALUE, dtype=first.dtype, device=device)
+        flat[self._layout.numel :].zero_()
+        views = self._unflatten(flat)
+        replaced = {
+            id(slot.param): nn.Parameter(views[i], requires_grad=slot.param.requires_grad)
+            for i, slot in enumerate(self._slots)
+        }
+        self._slots = tuple(dataclasses.replace(slot, param=replaced[id(slot.param)]) for slot in self._slots)
+        self._shared_slots = tuple(
+            (dataclasses.replace(slot, param=replaced[id(slot.param)]), i) for slot, i in self._shared_slots
+        )
+        for slot in self._all_slots():
+            slot.module._parameters[slot.attr] = slot.param
+        materialize(self._all_slots())
+        return flat
 
     def _set_flat_param_metadata(self, chunk: int) -> None:
         flat = self.flat_param

@@ -415,36 +415,57 @@ def _own_states(module: nn.Module) -> List[Any]:
     return [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
 
 
-def materialize_meta_modules(
-    module: nn.Module, param_init_fn: Optional[Callable[[nn.Module], None]], device: Any, ignored: IgnoredStates
-) -> None:
-    """Give the modules of this unit (not those of nested units, which did so as they were built,
+class MetaInit:
+    """Gives the modules of this unit (not those of nested units, which did so as they were built,
     nor ignored ones) real storage, so that no rank ever holds more of a meta-built model unsharded
-    than one unit.
+    than one unit. Every module is checked at construction, before any is touched.
 
-    With ``param_init_fn`` it is called on every module of the unit, breadth first; otherwise each
-    module owning parameters or buffers gets ``to_empty`` and ``reset_parameters()``, as torch's.
-    Every module is checked before any is touched.
+    With ``param_init_fn`` it is called on every module of the unit, breadth first (``run``, before
+    flattening: the user's function decides where storage comes from). Otherwise each module owning
+    parameters or buffers is reset with ``reset_parameters()`` as torch's does after ``to_empty``, but
+    its parameters are already views of the unit's flat buffer (``reset_in_place``, called by the
+    handle), so the unit is never held twice.
     """
-    named = _unit_named_modules(module, ignored)
-    modules = [m for _, m in named]
-    if not any(t.is_meta for m in modules for t in _own_states(m)):
-        return
-    if param_init_fn is None:
-        for name, m in named:
-            if _own_states(m) and not callable(getattr(m, "reset_parameters", None)):
-                where = f"module '{clean_fqn(name)}'" if name else "the module"
-                raise ValueError(
-                    f"fsdp1: {where} ({type(m).__name__}) is on the meta device but has no reset_parameters() to "
-                    "initialise it. Pass param_init_fn=..., called with each module, e.g. "
-                    "lambda m: m.to_empty(device=torch.device('cpu'), recurse=False) followed by your own init."
-                )
-    with torch.no_grad():
-        for m in modules:
-            if param_init_fn is not None:
-                param_init_fn(m)
-            elif _own_states(m):
-                m.to_empty(device=device, recurse=False)
+
+    def __init__(self, module: nn.Module, param_init_fn: Optional[Callable[[nn.Module], None]], device: torch.device,
+                 ignored: IgnoredStates) -> None:
+        named = _unit_named_modules(module, ignored)
+        self._modules = [m for _, m in named]
+        self._param_init_fn = param_init_fn
+        self.device = device
+        self.is_needed = any(t.is_meta for m in self._modules for t in _own_states(m))
+        if self.is_needed and param_init_fn is None:
+            for name, m in named:
+                if _own_states(m) and not callable(getattr(m, "reset_parameters", None)):
+                    where = f"module '{clean_fqn(name)}'" if name else "the module"
+                    raise ValueError(
+                        f"fsdp1: {where} ({type(m).__name__}) is on the meta device but has no reset_parameters() to "
+                        "initialise it. Pass param_init_fn=..., called with each module, e.g. "
+                        "lambda m: m.to_empty(device=torch.device('cpu'), recurse=False) followed by your own init."
+                    )
+
+    @property
+    def is_in_place(self) -> bool:
+        return self.is_needed and self._param_init_fn is None
+
+    def run(self) -> None:
+        with torch.no_grad():
+            for m in self._modules:
+                if self._param_init_fn is not None:
+                    self._param_init_fn(m)
+                elif _own_states(m):
+                    m.to_empty(device=self.device, recurse=False)
+                    m.reset_parameters()
+
+    def reset_in_place(self) -> None:
+        """The unit's parameters already have storage: give meta buffers theirs, then reset."""
+        with torch.no_grad():
+            for m in self._modules:
+                if not _own_states(m):
+                    continue
+                for attr, buffer in m._buffers.items():
+                    if buffer is not None and buffer.is_meta:
+                        m._buffers[attr] = torch.empty_like(buffer, device=self.device)
                 m.reset_parameters()
 
 

@@ -7,7 +7,7 @@ a script written for torch's FSDP1 runs after swapping the import.
 
 import contextlib
 from enum import Enum, auto
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -16,7 +16,7 @@ from torch.autograd.profiler import record_function
 from . import _collectives as comm
 from . import _init, _runtime
 from ._device import materialization_device, resolve_compute_device
-from ._flat_param import FlatParameter, FlatParamHandle
+from ._flat_param import FlatParameter, FlatParamHandle, ParamSlot
 from ._init import SHARDED_STRATEGIES
 from ._runtime import TrainingState
 from ._traversal import FSDP_WRAPPED_MODULE, fsdp_units, unit_paths
@@ -114,19 +114,36 @@ class FullyShardedDataParallel(nn.Module):
             _init.auto_wrap(module, auto_wrap_policy, child_kwargs, type(self), self._ignored)
 
         # This unit materialises and synchronises what the children left, then flattens it on the
-        # compute device.
-        _init.materialize_meta_modules(module, param_init_fn, materialization_device(device_id), self._ignored)
+        # compute device. Meta parameters reset by the default init get their storage in the flat
+        # buffer itself, so their unit is never held twice.
+        meta_init = _init.MetaInit(module, param_init_fn, materialization_device(device_id), self._ignored)
+        if meta_init.is_needed and not meta_init.is_in_place:
+            meta_init.run()
         slots = _init.unit_param_slots(module, use_orig_params, self._ignored, _params_of_outer_units)
-        if sync_module_states:
-            _init.sync_module_states(module, slots, self._ignored, groups)
-        self.compute_device = resolve_compute_device(module, device_id, self._ignored.params)
+
+        def initialize(slots: Sequence[ParamSlot]) -> None:
+            if meta_init.is_in_place:
+                meta_init.reset_in_place()
+            if sync_module_states:
+                _init.sync_module_states(module, slots, self._ignored, groups)
+
+        if meta_init.is_in_place:
+            self.compute_device = meta_init.device
+        else:
+            initialize(slots)
+            self.compute_device = resolve_compute_device(module, device_id, self._ignored.params)
         if device_id is not None:
             _init.move_to_compute_device(module, self.compute_device, self._ignored)
         self._fsdp_wrapped_module = module
         self._handle: Optional[FlatParamHandle] = None
         if slots:
             is_sharded = self.sharding_strategy in SHARDED_STRATEGIES and self.world_size > 1
-            self._handle = FlatParamHandle(slots, module, groups.shard, groups.replicate, is_sharded, use_orig_params)
+            self._handle = FlatParamHandle(
+                slots, module, groups.shard, groups.replicate, is_sharded, use_orig_params,
+                materialize_in_place=initialize if meta_init.is_in_place else None, device=self.compute_device,
+            )
+        elif meta_init.is_in_place:
+            initialize(slots)
         for unit, path in unit_paths(self).items():
             if unit._handle is not None and unit is not self:
                 unit._handle.set_path(path)

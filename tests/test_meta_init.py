@@ -77,8 +77,8 @@ def construction_peak(world_size=8):
 def test_construction_from_meta_never_holds_more_than_one_unit_unsharded():
     peak, shards, largest_unit = construction_peak()
     whole_model = sum(p.numel() * 4 for p in _lm("meta").parameters())
-    # One unit is alive twice at its flattening (its materialised parameters and their concatenation).
-    assert peak <= shards + 2 * largest_unit, (peak, shards, largest_unit)
+    # The default init resets each unit's parameters inside its flat buffer, so no unit is held twice.
+    assert peak <= shards + largest_unit, (peak, shards, largest_unit)
     assert peak < whole_model / 2, (peak, whole_model)  # as rank 0 of 8
 
 
@@ -90,6 +90,12 @@ def _synced(pattern, use_orig_params):
     if pattern == "different seeds":
         torch.manual_seed(rank)
         ours = _wrap(_lm(), sync_module_states=True, use_orig_params=use_orig_params)
+    elif pattern == "meta everywhere, different seeds":  # each unit reset in its flat buffer, then synced
+        torch.manual_seed(rank)
+        ours = _wrap(_lm("meta"), sync_module_states=True, use_orig_params=use_orig_params)
+        rank0_model.load_state_dict(fsdp1_full_params(ours))
+        dist.broadcast_object_list(holder := [rank0_model.state_dict()], src=0)
+        rank0_model.load_state_dict(holder[0])
     else:  # rank 0 builds real weights, the others on the meta device
         local = copy.deepcopy(rank0_model) if rank == 0 else _lm("meta")
         ours = _wrap(local, sync_module_states=True, use_orig_params=use_orig_params,
@@ -101,7 +107,7 @@ def _synced(pattern, use_orig_params):
 
 
 @pytest.mark.parametrize("use_orig_params", [False, True])
-@pytest.mark.parametrize("pattern", ["different seeds", "rank 0 real, others meta"])
+@pytest.mark.parametrize("pattern", ["different seeds", "rank 0 real, others meta", "meta everywhere, different seeds"])
 def test_sync_module_states_makes_rank_0_win(pattern, use_orig_params):
     for init_error, (ours, ddp), error in run_on_ranks(2, _synced, pattern, use_orig_params):
         assert init_error == 0.0
