@@ -31,6 +31,7 @@ from . import _collectives as comm
 from ._shard_math import (
     ALIGNMENT_BYTES,
     ALIGNMENT_PADDING_VALUE,
+    ParamShardInfo,
     gradient_divide_factors,
     padded_unsharded_numel,
     param_shard_infos,
@@ -201,7 +202,10 @@ class FlatParamHandle:
         self.is_sharded = is_sharded
         self.use_orig_params = use_orig_params
         self._owner = owner
+        if use_orig_params:  # frozen parameters last, so that the trainable ones' gradient is contiguous
+            slots = sorted(slots, key=lambda slot: not slot.param.requires_grad)
         self._slots, self._shared_slots = _split_shared(slots)
+        self._requires_grad = tuple(slot.param.requires_grad for slot in self._slots)
         replicas = comm.group_size(replicate_group) if replicate_group is not None else 1
         self._pre_divide, self._post_divide = gradient_divide_factors(self.world_size * replicas)
 
@@ -246,6 +250,8 @@ class FlatParamHandle:
         self._grad_before_backward: Optional[torch.Tensor] = None  # sharded gradient of earlier backwards
         self._grad_this_backward: Optional[torch.Tensor] = None  # this backward's reduced gradient
         self._grad_is_unreduced = False  # flat_param.grad holds local sums (inside no_sync)
+        self._grad_span = self._trainable_span()  # the part of the shard the gradients below cover
+        self._span_grad: Optional[torch.Tensor] = None  # the optimizer's gradient when the span is partial
         self._orig_grad_views: List[Optional[torch.Tensor]] = []
         self._forward_views: List[torch.Tensor] = []  # the last forward's, tied to autograd
 
@@ -309,11 +315,12 @@ class FlatParamHandle:
 
     def _views_of_local_part(self, local: torch.Tensor) -> List[torch.Tensor]:
         """Each parameter's part of a shard-sized tensor: 1-D slices when sharded, full shapes if not."""
-        views = []
-        for info, shape in zip(self._shard_infos, self._shapes):
-            piece = local[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard]
-            views.append(piece if self.is_sharded else piece.view(shape))
-        return views
+        return [self._view_in(local, info, shape) for info, shape in zip(self._shard_infos, self._shapes)]
+
+    def _view_in(self, local: torch.Tensor, info: ParamShardInfo, shape: torch.Size, start: int = 0) -> torch.Tensor:
+        """One parameter's part of ``local``, a tensor over this rank's shard from offset ``start``."""
+        piece = local[info.offset_in_shard - start : info.offset_in_shard - start + info.numel_in_shard]
+        return piece if self.is_sharded else piece.view(shape)
 
     def _install_initial_views(self) -> None:
         """use_orig_params keeps the original Parameters, now viewing the shard; otherwise the
@@ -395,10 +402,45 @@ class FlatParamHandle:
 
     def _sync_requires_grad(self) -> None:
         """The flat parameter needs a gradient while any original one does (frozen or unfrozen after
-        wrapping, issue 7)."""
-        requires_grad = any(slot.param.requires_grad for slot in self._slots)
-        if self.flat_param.requires_grad != requires_grad:
-            self.flat_param.requires_grad_(requires_grad)
+        wrapping, issue 7); the gradients kept between steps cover what is trainable now."""
+        requires_grad = tuple(slot.param.requires_grad for slot in self._slots)
+        if requires_grad == self._requires_grad:
+            return
+        self._requires_grad = requires_grad
+        if self.flat_param.requires_grad != any(requires_grad):
+            self.flat_param.requires_grad_(any(requires_grad))
+        grad = self._optim_grad
+        old_span, self._grad_span = self._grad_span, self._trainable_span()
+        if self._grad_before_backward is not None:
+            self._grad_before_backward = self._respan(self._grad_before_backward, old_span)
+        if grad is not None:
+            self._set_grad_for_optim(self._respan(grad, old_span))
+
+    def _trainable_span(self) -> Tuple[int, int]:
+        """The part of this rank's shard that gradients kept between steps cover: all of it, unless
+        the unit holds frozen parameters (use_orig_params), which then cost no gradient memory
+        (torch's keeps it, pytorch#104690). Frozen parameters are laid out last, so the trainable
+        ones' elements are contiguous."""
+        shard_numel = self._local_shard.numel()
+        if not self.use_orig_params or all(self._requires_grad):
+            return 0, shard_numel
+        bounds = [
+            (info.offset_in_shard, info.offset_in_shard + info.numel_in_shard)
+            for info, requires_grad in zip(self._shard_infos, self._requires_grad)
+            if requires_grad and info.in_shard
+        ]
+        if not bounds:
+            return 0, 0
+        return min(lo for lo, _ in bounds), max(hi for _, hi in bounds)
+
+    def _respan(self, grad: torch.Tensor, old_span: Tuple[int, int]) -> torch.Tensor:
+        """``grad`` over ``old_span`` moved to the current span (zeros where it had no values)."""
+        (old_lo, old_hi), (lo, hi) = old_span, self._grad_span
+        moved = grad.new_zeros(hi - lo)
+        start, end = max(lo, old_lo), min(hi, old_hi)
+        if start < end:
+            moved[start - lo : end - lo] = grad[start - old_lo : end - old_lo]
+        return moved
 
     def use_resting_views(self) -> None:
         """Outside the unit's computation the module holds, with use_orig_params, the original
@@ -560,7 +602,8 @@ class FlatParamHandle:
             self._unsharded_buffer = self._local_shard
             self.use_resting_views()
         if not self._grad_is_unreduced:
-            self._set_grad_for_optim(self.flat_param.grad)
+            grad = self._optim_grad  # a whole-shard gradient was converted with the flat parameter
+            self._set_grad_for_optim(None if grad is None else grad.to(self._local_shard))
 
     # ----------------------------------------------------------------------------- gradients
     def prepare_gradient_for_backward(self) -> None:
@@ -578,16 +621,15 @@ class FlatParamHandle:
         if self._grad_is_unreduced:
             return
         self.write_back_orig_grads()
-        self._grad_before_backward = self.flat_param.grad
-        self.flat_param.grad = None
+        self._grad_before_backward = self._optim_grad
+        self._span_grad = self.flat_param.grad = None
 
     def write_back_orig_grads(self) -> None:
         """use_orig_params: carry what the user did to the original parameters' ``.grad`` into the flat
         gradient: ``None`` (``zero_grad``) zeroes that part, and frees the flat gradient once every
         part is ``None``; a replaced tensor is copied in. Idempotent, so the root runs it at every
         forward (freeing zeroed gradients before the forward, as torch's) and backward runs it again."""
-        flat_grad = self.flat_param.grad
-        if flat_grad is None or not self._orig_grad_views:
+        if self._optim_grad is None or not self._orig_grad_views:
             return
         any_grad = False
         with torch.no_grad():
@@ -602,8 +644,7 @@ class FlatParamHandle:
                 if grad is not view:
                     view.copy_(grad)
         if not any_grad:
-            self._orig_grad_views = []
-            self.flat_param.grad = None
+            self._set_grad_for_optim(None)
 
     def reduce_grad(self) -> GradReduction:
         """Start reducing this step's unsharded gradient: mean over the ranks, this rank's shard kept.
@@ -627,6 +668,9 @@ class FlatParamHandle:
         return GradReduction(self, work, grad, reduced)
 
     def _accumulate_reduced_grad(self, reduced: torch.Tensor) -> None:
+        if not self._span_is_whole_shard():  # frozen parameters keep no gradient
+            lo, hi = self._grad_span
+            reduced = reduced[lo:hi].clone()
         if self._post_divide > 1:
             reduced.div_(self._post_divide)
         if self._grad_this_backward is None:
@@ -661,11 +705,21 @@ class FlatParamHandle:
             self._set_grad_for_optim(self._grad_before_backward)
         self._grad_before_backward = self._grad_this_backward = None
 
+    @property
+    def _optim_grad(self) -> Optional[torch.Tensor]:
+        """The optimizer's sharded gradient, over the gradient span: the flat parameter's ``.grad``
+        (where ``zero_grad`` of a flat-parameter optimizer acts) when the span is the whole shard."""
+        return self.flat_param.grad if self._span_is_whole_shard() else self._span_grad
+
+    def _span_is_whole_shard(self) -> bool:
+        return self._grad_span == (0, self._local_shard.numel())
+
     def _set_grad_for_optim(self, grad: Optional[torch.Tensor]) -> None:
-        """Hand ``grad`` to the optimizer: as the flat parameter's ``.grad``, and with use_orig_params as
-        views on the original parameters (``None`` for frozen ones and for those with no element in
-        this rank's shard, as torch's)."""
-        self.flat_param.grad = grad
+        """Hand ``grad`` (over the gradient span) to the optimizer: as the flat parameter's ``.grad``
+        when it covers the whole shard, and with use_orig_params as views on the original parameters
+        (``None`` for frozen ones and for those with no element in this rank's shard, as torch's)."""
+        lo, _ = self._grad_span
+        self.flat_param.grad, self._span_grad = (grad, None) if self._span_is_whole_shard() else (None, grad)
         if not self.use_orig_params:
             return
         if grad is None:
@@ -674,8 +728,8 @@ class FlatParamHandle:
                 slot.param.grad = None
             return
         self._orig_grad_views = [
-            view if slot.param.requires_grad and info.in_shard else None
-            for slot, info, view in zip(self._slots, self._shard_infos, self._views_of_local_part(grad))
+            self._view_in(grad, info, shape, start=lo) if requires_grad and info.in_shard else None
+            for info, shape, requires_grad in zip(self._shard_infos, self._shapes, self._requires_grad)
         ]
         for slot, view in zip(self._slots, self._orig_grad_views):
             slot.param.grad = view

@@ -79,7 +79,12 @@ def resolve_process_groups(process_group: Any, device_mesh: Any, strategy: Shard
         groups = tuple(reversed(comm.mesh_groups(device_mesh)))  # (shard, replicate) for 2-D
     elif isinstance(process_group, tuple):
         groups = process_group
-        if not hybrid or len(groups) != 2 or not all(isinstance(g, comm.ProcessGroup) for g in groups):
+        if hybrid and len(groups) == 2 and not all(isinstance(g, comm.ProcessGroup) for g in groups):
+            raise ValueError(
+                "fsdp1: process_group=(shard_group, replicate_group) must hold two torch.distributed "
+                f"ProcessGroups, got ({', '.join(type(g).__name__ for g in groups)})."
+            )
+        if not hybrid or len(groups) != 2:
             raise ValueError(
                 "fsdp1: a tuple process_group means (shard_group, replicate_group) and is only for "
                 f"HYBRID_SHARD and _HYBRID_SHARD_ZERO2; got a tuple of {len(groups)} with sharding_strategy={strategy}. "
@@ -87,7 +92,8 @@ def resolve_process_groups(process_group: Any, device_mesh: Any, strategy: Shard
             )
     elif process_group is not None and not isinstance(process_group, comm.ProcessGroup):
         raise ValueError(
-            f"fsdp1: process_group must be a torch.distributed ProcessGroup, got {type(process_group).__name__}."
+            f"fsdp1: process_group must be a torch.distributed ProcessGroup, or for the hybrid strategies a "
+            f"tuple (shard_group, replicate_group); got {type(process_group).__name__}."
         )
     else:
         groups = (process_group if process_group is not None else comm.default_group(),)
@@ -244,8 +250,8 @@ class _UnitPlan:
             prefix = self._paths[unit] + "." if self._paths[unit] else ""
             stop = lambda m, unit=unit: m is not unit and (is_planned(m) or m in ignored.modules)  # noqa: E731
             self._own_slots[unit] = [s for s in iter_param_slots(unit, prefix, stop) if not ignored.has_param(s.param)]
-            for sub in unit.modules():
-                if sub is not unit and is_planned(sub) and sub not in self._parent:
+            for sub in unit.modules():  # parents come first, so the nearest unit is set last
+                if sub is not unit and is_planned(sub):
                     self._parent[sub] = unit
         reached: Dict[int, List[nn.Module]] = {}
         for unit in self.units:
@@ -305,21 +311,19 @@ def unit_param_slots(
         return []
     excluded = IgnoredStates(params=[*ignored.params, *left_to_outer])
     is_ignored = ignored.modules.__contains__
-    own = [
-        slot
-        for slot in iter_param_slots(module, stop=lambda m: is_fsdp_unit(m) or is_ignored(m))
-        if not excluded.has_param(slot.param)
-    ]
     nested = list(iter_outermost_units(module, stop=is_ignored))
+    inside_nested = {id(m) for _, unit in nested for m in unit.modules()}
+    slots, own = [], []
+    for slot in iter_param_slots(module, stop=is_ignored):  # module order, as named_parameters()
+        if excluded.has_param(slot.param):
+            continue
+        if id(slot.module) not in inside_nested:
+            own.append(slot)
+            slots.append(slot)
+        elif not _is_flattened(slot.param):  # a tied parameter a nested unit left to this one
+            slots.append(dataclasses.replace(slot, fqn=clean_fqn(slot.fqn)))
     _check_not_shared_across_units(own, nested)
     _check_not_flattened("", own)
-    left_here = [
-        dataclasses.replace(slot, fqn=clean_fqn(slot.fqn))
-        for name, unit in nested
-        for slot in iter_param_slots(unit, name + ".", stop=is_ignored)
-        if not (_is_flattened(slot.param) or excluded.has_param(slot.param))
-    ]
-    slots = own + left_here
     validate_unit_params("", slots, use_orig_params)
     return slots
 
@@ -391,15 +395,24 @@ def _check_not_shared_across_units(slots: Sequence[ParamSlot], nested: Sequence[
 
 
 def _check_not_flattened(unit_path: str, slots: Sequence[ParamSlot]) -> None:
-    """A parameter some other unit already flattened means the same module object is being wrapped a
-    second time; flattening its shard views again would train silently wrong."""
+    """A parameter some other unit already flattened: the same module object is being wrapped a
+    second time, or it shares the parameter with a module wrapped before (flattening its shard views
+    again would train silently wrong)."""
+    module = f"module '{unit_path}'" if unit_path else "the module"
     for slot in slots:
-        if isinstance(slot.param, FlatParameter) or getattr(slot.param, FLATTENED, False):
-            module = f"module '{unit_path}'" if unit_path else "the module"
+        if isinstance(slot.param, FlatParameter):
             raise ValueError(
-                f"fsdp1: {module} is already wrapped by another FullyShardedDataParallel instance (its "
-                f"parameter '{slot.fqn}' was flattened by it). Wrap each module object once; to nest units, "
-                "wrap the existing FullyShardedDataParallel instance instead of its module."
+                f"fsdp1: {module} is already wrapped by a FullyShardedDataParallel unit (it holds that unit's "
+                f"flat parameter '{slot.fqn}'). Wrap each module object once; to nest units, wrap the existing "
+                "FullyShardedDataParallel instance instead of its module."
+            )
+        if getattr(slot.param, FLATTENED, False):
+            raise ValueError(
+                f"fsdp1: {module} holds parameter '{slot.fqn}', which another FullyShardedDataParallel unit already "
+                "flattened: either this module is already wrapped (wrap each module object once; to nest "
+                "units, wrap the existing FullyShardedDataParallel instance instead), or it shares the "
+                "parameter with a module wrapped before (a tied weight: wrap the modules that share it in "
+                "one unit, or wrap their parent with auto_wrap_policy, which gives the weight to it)."
             )
 
 

@@ -100,6 +100,15 @@ def _tied_weight_split_by_hand():
     return model
 
 
+def _head_tied_to_a_wrapped_block():
+    """The head, to be wrapped on its own after the block it shares its weight with was."""
+    model = Blocks()
+    model.head = nn.Linear(4, 4)
+    model.head.weight = model.blocks[0].weight
+    model.blocks[0] = FSDP(model.blocks[0])
+    return model.head
+
+
 def _wrapped_twice(use_orig_params):
     module = Blocks()
     FSDP(module, use_orig_params=use_orig_params)
@@ -237,10 +246,11 @@ class TestErrors(expecttest.TestCase):
         self.assertExpectedInline(self.construction_error(Blocks, process_group=OnRank(_world_pair)), """ValueError: fsdp1: a tuple process_group means (shard_group, replicate_group) and is only for HYBRID_SHARD and _HYBRID_SHARD_ZERO2; got a tuple of 2 with sharding_strategy=ShardingStrategy.FULL_SHARD. Pass one ProcessGroup, or set the hybrid strategy.""")
 
     def test_wrapping_the_same_module_twice(self):
-        for use_orig_params in (False, True):
-            message = run_on_ranks(2, _wrapped_twice, use_orig_params)[0]
-            self.assertEqual(message.split("(its")[0], "fsdp1: the module is already wrapped by another FullyShardedDataParallel instance ")
-        self.assertExpectedInline(message, """fsdp1: the module is already wrapped by another FullyShardedDataParallel instance (its parameter 'blocks.0.weight' was flattened by it). Wrap each module object once; to nest units, wrap the existing FullyShardedDataParallel instance instead of its module.""")
+        self.assertExpectedInline(run_on_ranks(2, _wrapped_twice, False)[0], """fsdp1: the module is already wrapped by a FullyShardedDataParallel unit (it holds that unit's flat parameter '_flat_param'). Wrap each module object once; to nest units, wrap the existing FullyShardedDataParallel instance instead of its module.""")
+        self.assertExpectedInline(run_on_ranks(2, _wrapped_twice, True)[0], """fsdp1: the module holds parameter 'blocks.0.weight', which another FullyShardedDataParallel unit already flattened: either this module is already wrapped (wrap each module object once; to nest units, wrap the existing FullyShardedDataParallel instance instead), or it shares the parameter with a module wrapped before (a tied weight: wrap the modules that share it in one unit, or wrap their parent with auto_wrap_policy, which gives the weight to it).""")
+
+    def test_tied_modules_wrapped_one_after_the_other(self):
+        self.assertExpectedInline(self.construction_error(_head_tied_to_a_wrapped_block), """ValueError: fsdp1: the module holds parameter 'weight', which another FullyShardedDataParallel unit already flattened: either this module is already wrapped (wrap each module object once; to nest units, wrap the existing FullyShardedDataParallel instance instead), or it shares the parameter with a module wrapped before (a tied weight: wrap the modules that share it in one unit, or wrap their parent with auto_wrap_policy, which gives the weight to it).""")
 
     def test_no_sync_on_inner_unit(self):
         messages = run_on_ranks(2, _no_sync_on_inner_unit)

@@ -5,7 +5,6 @@ takes them. The oracle is DDP told to ignore the same parameters, which keeps th
 import copy
 
 import pytest
-import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 

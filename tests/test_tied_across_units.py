@@ -163,3 +163,46 @@ def test_gpt2_with_embedding_and_head_in_separate_units_trains_like_ddp(world_si
         assert holders == [""]
         assert relative_errors(ours, ddp) <= TOLERANCE and error <= TOLERANCE
         assert direct
+
+
+class _Body(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, D_MODEL)
+        self.lin = nn.Linear(D_MODEL, D_MODEL)
+
+    def forward(self, idx):
+        return torch.tanh(self.lin(self.emb(idx)))
+
+
+class _LMWithBody(nn.Module):
+    """The embedding's unit lies inside another unit (the body), the head outside it."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = _Body()
+        self.head = nn.Linear(D_MODEL, VOCAB, bias=False)
+        self.head.weight = self.body.emb.weight
+
+    def forward(self, idx):
+        return self.head(self.body(idx))
+
+
+def _tied_from_a_unit_inside_a_unit(classes, use_orig_params):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    base = _LMWithBody()
+    ours = fsdp1.FullyShardedDataParallel(
+        copy.deepcopy(base), auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy(classes), use_orig_params=use_orig_params,
+    )
+    ddp = DDP(copy.deepcopy(base))
+    losses = [train(m, STEPS, world_size, rank) for m in (ours, ddp)]
+    return _holders(ours, "body.emb.weight"), losses, max_relative_error(fsdp1_full_params(ours), plain_params(ddp))
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+@pytest.mark.parametrize("classes", [{_Body, nn.Embedding}, {_Body, nn.Embedding, nn.Linear}], ids=["body+emb", "body+emb+linear"])
+def test_weight_tied_from_a_unit_nested_in_another_goes_to_the_root(classes, use_orig_params):
+    for holders, (ours, ddp), error in run_on_ranks(2, _tied_from_a_unit_inside_a_unit, classes, use_orig_params):
+        assert holders == [""]  # the closest unit holding both the embedding and the head
+        assert relative_errors(ours, ddp) <= TOLERANCE and error <= TOLERANCE

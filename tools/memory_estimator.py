@@ -45,11 +45,11 @@ class StepMemory:
 
 
 @contextlib.contextmanager
-def fake_process_group(world_size: int) -> Iterator[None]:
-    """Make this process rank 0 of ``world_size`` ranks whose collectives move nothing."""
+def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
+    """Make this process ``rank`` of ``world_size`` ranks whose collectives move nothing."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
