@@ -59,6 +59,38 @@ def _torch_fsdp1(strategy: str, use_orig_params: bool, model: nn.Module, device:
         use_orig_params=use_orig_params, device_id=device)
 
 
+def _hybrid_mesh(device: torch.device):
+    """Replicas × shard groups of two ranks (one replica on two ranks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world_size = torch.distributed.get_world_size()
+    shape = (world_size // 2, 2) if world_size % 2 == 0 else (1, world_size)
+    return init_device_mesh(device.type, shape)
+
+
+def _fsdp1_hybrid(model: nn.Module, device: torch.device) -> nn.Module:
+    return fsdp1.FullyShardedDataParallel(
+        model, sharding_strategy=fsdp1.ShardingStrategy.HYBRID_SHARD, device_mesh=_hybrid_mesh(device),
+        auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({Block}), device_id=device)
+
+
+def _torch_fsdp1_hybrid(model: nn.Module, device: torch.device) -> nn.Module:
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    return FullyShardedDataParallel(
+        model, sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_mesh=_hybrid_mesh(device),
+        auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=device)
+
+
+def _frozen_attention(wrapper: "Wrapper", model: nn.Module, device: torch.device) -> nn.Module:
+    """Attention frozen in every block (fine-tuning the MLPs): units mix frozen and trainable."""
+    for block in model.blocks:
+        block.qkv.requires_grad_(False)
+        block.proj.requires_grad_(False)
+    return wrapper(model, device)
+
+
 def _torch_fsdp2(model: nn.Module, device: torch.device) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
@@ -90,6 +122,10 @@ VARIANTS: Dict[str, Wrapper] = {
     "fsdp1_grad_op": partial(_fsdp1, "SHARD_GRAD_OP", False),
     "torch_fsdp1_no_shard": partial(_torch_fsdp1, "NO_SHARD", False),
     "fsdp1_no_shard": partial(_fsdp1, "NO_SHARD", False),
+    "torch_fsdp1_hybrid": _torch_fsdp1_hybrid,
+    "fsdp1_hybrid": _fsdp1_hybrid,
+    "torch_fsdp1_frozen_orig": partial(_frozen_attention, partial(_torch_fsdp1, "FULL_SHARD", True)),
+    "fsdp1_frozen_orig": partial(_frozen_attention, partial(_fsdp1, "FULL_SHARD", True)),
     "torch_fsdp2": _torch_fsdp2,
 }
 """Every variant the benchmark measures; ``local`` is the model alone (the compute floor) and
@@ -97,5 +133,6 @@ VARIANTS: Dict[str, Wrapper] = {
 
 ANCHOR = {"fsdp1_full": "torch_fsdp1_full", "fsdp1_full_orig": "torch_fsdp1_full_orig",
           "fsdp1_grad_op": "torch_fsdp1_grad_op", "fsdp1_no_shard": "torch_fsdp1_no_shard",
+          "fsdp1_hybrid": "torch_fsdp1_hybrid", "fsdp1_frozen_orig": "torch_fsdp1_frozen_orig",
           "local_aa": "local"}
 """The variant each one is compared with, round by round."""
