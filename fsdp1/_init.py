@@ -228,6 +228,8 @@ def auto_wrap(
     for unit in plan.units:
         validate_unit_params(plan.path(unit), plan.slots(unit), child_kwargs["use_orig_params"])
         _check_not_flattened(plan.path(unit), plan.slots(unit))
+    if child_kwargs["param_init_fn"] is None:
+        plan.check_meta_ties_are_initialised()
     for unit, kwargs in planned.items():
         left = plan.left_to_outer_units(unit)
         if left:
@@ -279,6 +281,22 @@ class _UnitPlan:
         """The unit's parameters once built: its own, minus those left to an outer unit, plus those
         left to it from below."""
         return [slot for member in self._units_within(unit) for slot in self._own_slots[member] if self._owner[id(slot.param)] is unit]
+
+    def check_meta_ties_are_initialised(self) -> None:
+        """The default meta init resets each unit's own modules; a tied meta parameter given to a unit
+        none of whose own modules uses it would keep its buffer's fill values, so refuse it."""
+        for unit in self.units:
+            for slot in self._own_slots[unit]:
+                owner = self._owner[id(slot.param)]
+                used_by_owner = any(s.param is slot.param for s in self._own_slots[owner])
+                if slot.param.is_meta and not used_by_owner:
+                    where = f"unit '{self.path(owner)}'" if self.path(owner) else "the root unit"
+                    raise ValueError(
+                        f"fsdp1: parameter '{slot.fqn}' is tied across units and on the meta device, and {where}, "
+                        "which holds it, has no module of its own that uses it, so reset_parameters() would "
+                        "never initialise it. Pass param_init_fn=..., or build the model with real weights "
+                        "(on rank 0, with sync_module_states=True)."
+                    )
 
     def _units_within(self, unit: nn.Module) -> List[nn.Module]:
         """``unit`` and the planned units below it."""

@@ -36,6 +36,11 @@ class OnRank:
         self.make = make
 
 
+def _same(a, b):
+    """Equal values, or for meta tensors (which have none) equal shape and dtype."""
+    return (a.shape, a.dtype) == (b.shape, b.dtype) if a.is_meta else torch.equal(a, b)
+
+
 def _construction_error(make_model, kwargs):
     """The message of the constructor's exception, and whether the module was left untouched."""
     model = make_model()
@@ -49,7 +54,7 @@ def _construction_error(make_model, kwargs):
         untouched = (
             repr(model) == repr_before
             and list(state_after) == list(state_before)
-            and all(torch.equal(state_after[name], state_before[name]) for name in state_before)
+            and all(_same(state_after[name], state_before[name]) for name in state_before)
         )
         return type(error).__name__, str(error), untouched
     return None, "no error", True
@@ -97,6 +102,14 @@ def _tied_weight_split_by_hand():
     model.head = nn.Linear(4, 4)
     model.head.weight = model.blocks[0].weight
     model.head = FSDP(model.head)
+    return model
+
+
+def _meta_blocks_tied_across_units():
+    with torch.device("meta"):
+        model = Blocks()
+        model.head = nn.Linear(4, 4)
+    model.head.weight = model.blocks[0].weight
     return model
 
 
@@ -248,6 +261,9 @@ class TestErrors(expecttest.TestCase):
     def test_wrapping_the_same_module_twice(self):
         self.assertExpectedInline(run_on_ranks(2, _wrapped_twice, False)[0], """fsdp1: the module is already wrapped by a FullyShardedDataParallel unit (it holds that unit's flat parameter '_flat_param'). Wrap each module object once; to nest units, wrap the existing FullyShardedDataParallel instance instead of its module.""")
         self.assertExpectedInline(run_on_ranks(2, _wrapped_twice, True)[0], """fsdp1: the module holds parameter 'blocks.0.weight', which another FullyShardedDataParallel unit already flattened: either this module is already wrapped (wrap each module object once; to nest units, wrap the existing FullyShardedDataParallel instance instead), or it shares the parameter with a module wrapped before (a tied weight: wrap the modules that share it in one unit, or wrap their parent with auto_wrap_policy, which gives the weight to it).""")
+
+    def test_meta_weight_tied_across_units_that_no_reset_would_initialise(self):
+        self.assertExpectedInline(self.construction_error(_meta_blocks_tied_across_units, auto_wrap_policy=LinearPolicy), """ValueError: fsdp1: parameter 'blocks.0.weight' is tied across units and on the meta device, and the root unit, which holds it, has no module of its own that uses it, so reset_parameters() would never initialise it. Pass param_init_fn=..., or build the model with real weights (on rank 0, with sync_module_states=True).""")
 
     def test_tied_modules_wrapped_one_after_the_other(self):
         self.assertExpectedInline(self.construction_error(_head_tied_to_a_wrapped_block), """ValueError: fsdp1: the module holds parameter 'weight', which another FullyShardedDataParallel unit already flattened: either this module is already wrapped (wrap each module object once; to nest units, wrap the existing FullyShardedDataParallel instance instead), or it shares the parameter with a module wrapped before (a tied weight: wrap the modules that share it in one unit, or wrap their parent with auto_wrap_policy, which gives the weight to it).""")
