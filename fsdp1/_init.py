@@ -46,7 +46,6 @@ class ProcessGroups:
 
     shard: comm.ProcessGroup
     replicate: Optional[comm.ProcessGroup]
-    mesh: Optional[comm.DeviceMesh]
 
 
 def resolve_process_groups(process_group: Any, device_mesh: Any, strategy: ShardingStrategy) -> ProcessGroups:
@@ -104,7 +103,7 @@ def resolve_process_groups(process_group: Any, device_mesh: Any, strategy: Shard
             "shard_size)) or process_group=(shard_group, replicate_group)."
         )
     replicate = groups[1] if len(groups) == 2 and comm.group_size(groups[1]) > 1 else None
-    return ProcessGroups(groups[0], replicate, device_mesh)
+    return ProcessGroups(groups[0], replicate)
 
 
 def coerce_sharding_strategy(strategy: Optional[ShardingStrategy]) -> ShardingStrategy:
@@ -154,6 +153,10 @@ class IgnoredStates:
     def has_param(self, param: nn.Parameter) -> bool:
         return self._params.get(id(param)) is param
 
+    def include(self, modules: Iterable[nn.Module] = (), params: Iterable[nn.Parameter] = ()) -> None:
+        self.modules.update(modules)
+        self._params.update((id(p), p) for p in params)
+
 
 def resolve_ignored_states(module: nn.Module, ignored_modules: Any, ignored_states: Any) -> IgnoredStates:
     """Check and expand ``ignored_modules`` / ``ignored_states``, naming the offending entry."""
@@ -199,11 +202,8 @@ def resolve_ignored_states(module: nn.Module, ignored_modules: Any, ignored_stat
     )
     for unit in module.modules():
         if is_fsdp_unit(unit) and unit is not module:
-            ignored.modules |= unit._ignored.modules
-            ignored._params.update(unit._ignored._params)
-    ignored._params.update(
-        (id(p), p) for m in ignored.modules for p in m.parameters() if not _is_flattened(p)
-    )
+            ignored.include(unit._ignored.modules, unit._ignored.params)
+    ignored.include(params=[p for m in ignored.modules for p in m.parameters() if not _is_flattened(p)])
     return ignored
 
 
@@ -226,8 +226,9 @@ def auto_wrap(
     planned = plan_auto_wrap(module, policy, ignored.modules, child_kwargs)
     plan = _UnitPlan(module, list(planned), ignored)
     for unit in plan.units:
-        validate_unit_params(plan.path(unit), plan.slots(unit), child_kwargs["use_orig_params"])
-        _check_not_flattened(plan.path(unit), plan.slots(unit))
+        slots = plan.slots(unit)
+        validate_unit_params(plan.path(unit), slots, child_kwargs["use_orig_params"])
+        _check_not_flattened(plan.path(unit), slots)
     if child_kwargs["param_init_fn"] is None:
         plan.check_meta_ties_are_initialised()
     for unit, kwargs in planned.items():
@@ -398,18 +399,22 @@ def _names(fqns: Iterable[str], most: int = 6) -> str:
 def _check_not_shared_across_units(slots: Sequence[ParamSlot], nested: Sequence[Tuple[str, nn.Module]]) -> None:
     """A parameter of this unit that a nested unit already flattened: modules tied by hand were
     wrapped into different units (auto-wrapping leaves such a parameter to their common unit)."""
+    handles = [
+        (clean_fqn(f"{name}.{path}" if path else name), unit._handle)
+        for name, outer in nested
+        for unit, path in unit_paths(outer).items()
+        if unit._handle is not None
+    ]
     for slot in slots:
-        for name, outer in nested:
-            for unit, path in unit_paths(outer).items():
-                fqn = unit._handle.fqn_of(slot.param) if unit._handle is not None else None
-                if fqn is not None:
-                    unit_path = clean_fqn(f"{name}.{path}" if path else name)
-                    raise ValueError(
-                        f"fsdp1: parameter '{slot.fqn}' is the same tensor as '{unit_path}.{fqn}', which the unit "
-                        f"'{unit_path}' already flattened; a parameter can belong to one unit only. Wrap the "
-                        "modules that share it in one unit, or pass auto_wrap_policy, which gives a tied "
-                        "parameter to the closest unit that holds all the modules using it."
-                    )
+        for unit_path, handle in handles:
+            fqn = handle.fqn_of(slot.param)
+            if fqn is not None:
+                raise ValueError(
+                    f"fsdp1: parameter '{slot.fqn}' is the same tensor as '{unit_path}.{fqn}', which the unit "
+                    f"'{unit_path}' already flattened; a parameter can belong to one unit only. Wrap the "
+                    "modules that share it in one unit, or pass auto_wrap_policy, which gives a tied "
+                    "parameter to the closest unit that holds all the modules using it."
+                )
 
 
 def _check_not_flattened(unit_path: str, slots: Sequence[ParamSlot]) -> None:
@@ -451,7 +456,7 @@ class MetaInit:
     nor ignored ones) real storage, so that no rank ever holds more of a meta-built model unsharded
     than one unit. Every module is checked at construction, before any is touched.
 
-    With ``param_init_fn`` it is called on every module of the unit, breadth first (``run``, before
+    With ``param_init_fn`` it is called on every module of the unit, breadth first (before
     flattening: the user's function decides where storage comes from). Otherwise each module owning
     parameters or buffers is reset with ``reset_parameters()`` as torch's does after ``to_empty``, but
     its parameters are already views of the unit's flat buffer (``reset_in_place``, called by the
@@ -479,14 +484,10 @@ class MetaInit:
     def is_in_place(self) -> bool:
         return self.is_needed and self._param_init_fn is None
 
-    def run(self) -> None:
+    def run_param_init_fn(self) -> None:
         with torch.no_grad():
             for m in self._modules:
-                if self._param_init_fn is not None:
-                    self._param_init_fn(m)
-                elif _own_states(m):
-                    m.to_empty(device=self.device, recurse=False)
-                    m.reset_parameters()
+                self._param_init_fn(m)
 
     def reset_in_place(self) -> None:
         """The unit's parameters already have storage: give meta buffers theirs, then reset."""

@@ -79,8 +79,6 @@ class FullyShardedDataParallel(nn.Module):
         strategy = _init.coerce_sharding_strategy(sharding_strategy)
         groups = _init.resolve_process_groups(process_group, device_mesh, strategy)
         self.process_group = groups.shard
-        self._inter_node_pg = groups.replicate
-        self._device_mesh = device_mesh
         self.rank = comm.group_rank(self.process_group)
         self.world_size = comm.group_size(self.process_group)
         self.sharding_strategy = _init.resolve_sharding_strategy(strategy, groups)
@@ -118,7 +116,7 @@ class FullyShardedDataParallel(nn.Module):
         # buffer itself, so their unit is never held twice.
         meta_init = _init.MetaInit(module, param_init_fn, materialization_device(device_id), self._ignored)
         if meta_init.is_needed and not meta_init.is_in_place:
-            meta_init.run()
+            meta_init.run_param_init_fn()
         slots = _init.unit_param_slots(module, use_orig_params, self._ignored, _params_of_outer_units)
 
         def initialize(slots: Sequence[ParamSlot]) -> None:
