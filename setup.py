@@ -16,6 +16,6 @@ setup(
         # numpy: torch's object collectives import it in CPU builds (DESIGN.md §6.5). transformers: real
         # model families, built from small configs in memory (pinned: the version the tests were run with).
         "test": ["pytest>=7", "expecttest>=0.2", "numpy", "transformers==5.23.0"],
-        "examples": ["tqdm", "matplotlib"],
+        "examples": ["tqdm", "matplotlib", "safetensors"],
     },
 )

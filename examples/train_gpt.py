@@ -9,6 +9,13 @@ Rank 0 shows a progress bar with the loss (with tqdm installed; else a line ever
 reports throughput and each rank's memory for parameters, gradients and AdamW state against what
 one process would hold for the unsharded model. ``--strategy`` and ``--use-orig-params`` choose the
 sharding; ``--text`` another corpus.
+
+Checkpoints: every ``--checkpoint-every`` steps (default 100) the model is saved as a sharded
+checkpoint (``SHARDED_STATE_DICT`` through ``torch.distributed.checkpoint``) in
+``--checkpoint-dir``/step_NNNNNN; ``--resume`` continues from the latest complete one, on any number
+of ranks. ``python tools/checkpoint.py consolidate out/checkpoints/step_000500 model.pt --prefix model.``
+turns one into a single file that loads into the plain model. The optimizer state is not saved yet (AdamW restarts from zero
+moments on resume).
 """
 
 import argparse
@@ -16,10 +23,11 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Iterable, Tuple
+from typing import Iterable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
@@ -86,13 +94,13 @@ def mean_over_ranks(value: torch.Tensor) -> float:
     return value.item() / dist.get_world_size()
 
 
-def progress(steps: int, enabled: bool) -> Iterable[int]:
-    """Step numbers 1..steps, under a tqdm bar where tqdm is installed and ``enabled``."""
+def progress(first: int, last: int, enabled: bool) -> Iterable[int]:
+    """Step numbers first..last, under a tqdm bar where tqdm is installed and ``enabled``."""
     try:
         from tqdm import tqdm
     except ImportError:
-        return range(1, steps + 1)
-    return tqdm(range(1, steps + 1), disable=not enabled, unit="step", dynamic_ncols=True)
+        return range(first, last + 1)
+    return tqdm(range(first, last + 1), disable=not enabled, unit="step", dynamic_ncols=True)
 
 
 def state_bytes(model: nn.Module, optim: torch.optim.Optimizer) -> int:
@@ -104,13 +112,38 @@ def state_bytes(model: nn.Module, optim: torch.optim.Optimizer) -> int:
     return sum(storage.nbytes() for storage in storages)
 
 
-def batches(data: torch.Tensor, block_size: int, batch_size: int, seed: int):
-    """Random windows of the text, a different stream per rank."""
-    gen = torch.Generator().manual_seed(seed)
-    while True:
-        starts = torch.randint(0, len(data) - block_size - 1, (batch_size,), generator=gen)
-        window = torch.stack([data[s : s + block_size + 1] for s in starts.tolist()])
-        yield window[:, :-1], window[:, 1:]
+def batch(data: torch.Tensor, block_size: int, batch_size: int, seed: int, step: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Random windows of the text, a different stream per rank, drawn afresh from (rank, step) so that
+    a resumed run sees the batches the uninterrupted one would have."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(0, len(data) - block_size - 1, (batch_size,), generator=gen)
+    window = torch.stack([data[s : s + block_size + 1] for s in starts.tolist()])
+    return window[:, :-1], window[:, 1:]
+
+
+def latest_checkpoint(directory: Path) -> Tuple[int, Optional[Path]]:
+    """The complete checkpoint of the highest step, or (0, None): a save cut short leaves only a
+    ``.partial`` directory, which is skipped."""
+    steps = [(int(p.name[5:]), p) for p in directory.glob("step_*") if p.name[5:].isdigit() and (p / ".metadata").exists()]
+    return max(steps) if steps else (0, None)
+
+
+def save_checkpoint(model: nn.Module, directory: Path, step: int) -> None:
+    """Every rank writes its own dim-0 chunks; the directory gets its final name only once complete."""
+    final, staging = directory / f"step_{step:06d}", directory / f"step_{step:06d}.partial"
+    with fsdp1.FullyShardedDataParallel.state_dict_type(model, fsdp1.StateDictType.SHARDED_STATE_DICT):
+        dcp.save({"model": model.state_dict()}, checkpoint_id=staging)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        staging.rename(final)
+    dist.barrier()
+
+
+def load_checkpoint(model: nn.Module, path: Path) -> None:
+    with fsdp1.FullyShardedDataParallel.state_dict_type(model, fsdp1.StateDictType.SHARDED_STATE_DICT):
+        state = {"model": model.state_dict()}
+        dcp.load(state, checkpoint_id=path)
+        model.load_state_dict(state["model"])
 
 
 def main() -> None:
@@ -125,6 +158,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--strategy", choices=[s.name for s in fsdp1.ShardingStrategy][:3], default="FULL_SHARD")
     parser.add_argument("--use-orig-params", action="store_true")
+    parser.add_argument("--checkpoint-dir", type=Path, default=Path("out/checkpoints"))
+    parser.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints; 0: none")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -142,18 +178,27 @@ def main() -> None:
         use_orig_params=args.use_orig_params,
     )
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    stream = batches(data, args.block_size, args.batch_size, seed=rank)
-    bar = progress(args.steps, enabled=rank == 0)
+    first_step = 1
+    if args.resume:
+        done, path = latest_checkpoint(args.checkpoint_dir)
+        if path is not None:
+            load_checkpoint(model, path)
+            first_step = done + 1
+            if rank == 0:
+                print(f"resumed from {path} (step {done})", flush=True)
+    bar = progress(first_step, args.steps, enabled=rank == 0)
     start = time.perf_counter()
     for step in bar:
-        inputs, targets = next(stream)
+        inputs, targets = batch(data, args.block_size, args.batch_size, rank, step)
         loss = F.cross_entropy(model(inputs).reshape(-1, vocab), targets.reshape(-1))
         loss.backward()
         optim.step()
         if step == args.steps:
             held = state_bytes(model, optim)  # with this step's gradients still in place
         optim.zero_grad(set_to_none=True)
-        if step % 25 == 0 or step == 1:
+        if args.checkpoint_every and step % args.checkpoint_every == 0:
+            save_checkpoint(model, args.checkpoint_dir, step)
+        if step % 25 == 0 or step == first_step:
             mean_loss = mean_over_ranks(loss)
             if hasattr(bar, "set_postfix"):
                 bar.set_postfix(loss=f"{mean_loss:.4f}")
@@ -161,16 +206,16 @@ def main() -> None:
                 print(f"step {step:4d} | loss {mean_loss:.4f} | {time.perf_counter() - start:.1f} s", flush=True)
     seconds = time.perf_counter() - start
     final_loss = mean_over_ranks(loss)
-    report(rank, world_size, args, vocab, num_params, held, seconds, final_loss)
+    report(rank, world_size, args, args.steps - first_step + 1, vocab, num_params, held, seconds, final_loss)
     dist.destroy_process_group()
 
 
-def report(rank, world_size, args, vocab, num_params, held, seconds, final_loss) -> None:
+def report(rank, world_size, args, steps, vocab, num_params, held, seconds, final_loss) -> None:
     """Throughput, and each rank's parameter + gradient + AdamW memory against one unsharded copy."""
-    tokens = args.steps * args.batch_size * args.block_size * world_size
+    tokens = steps * args.batch_size * args.block_size * world_size
     unsharded = 16 * num_params  # fp32 parameter, gradient and two AdamW moments per element
     if rank == 0:
-        print(f"{args.steps} steps in {seconds:.1f} s: {tokens / seconds:,.0f} tokens/s over {world_size} rank(s); "
+        print(f"{steps} steps in {seconds:.1f} s: {tokens / seconds:,.0f} tokens/s over {world_size} rank(s); "
               f"final loss {final_loss:.4f} (uniform guess {math.log(vocab):.2f})", flush=True)
     for r in range(world_size):
         if r == rank:

@@ -105,6 +105,23 @@ def broadcast_from_first(tensor: torch.Tensor, group: ProcessGroup) -> Work:
     return dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group, async_op=True)
 
 
+def all_to_all(output: torch.Tensor, send: torch.Tensor, output_splits: List[int], send_splits: List[int],
+               group: ProcessGroup) -> None:
+    """Send ``send``'s consecutive pieces (``send_splits``) to the ranks in order; rank r's piece for
+    this rank lands in ``output`` after those of the ranks before it. Synchronous: only the
+    state-dict paths use it, between steps."""
+    dist.all_to_all_single(output, send, output_split_sizes=output_splits, input_split_sizes=send_splits, group=group)
+
+
+def device_mesh_of(group: ProcessGroup, device_type: str) -> DeviceMesh:
+    """A 1-D mesh over ``group``'s ranks that reuses the group (no new group is created), for DTensors."""
+    return DeviceMesh.from_group(group, device_type)
+
+
+def global_rank() -> int:
+    return dist.get_rank()
+
+
 def all_gather_object(obj: Any, group: ProcessGroup) -> List[Any]:
     """Every rank's ``obj``, in group-rank order (small metadata only: it is pickled)."""
     gathered: List[Any] = [None] * group_size(group)

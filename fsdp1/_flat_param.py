@@ -28,6 +28,8 @@ import torch
 from torch import nn
 
 from . import _collectives as comm
+from ._placeholder import ShardedParamPlaceholder
+from ._redistribute import RowRedistribution
 from ._shard_math import (
     ALIGNMENT_BYTES,
     ALIGNMENT_PADDING_VALUE,
@@ -85,54 +87,6 @@ class ParamSlot:
     module: nn.Module
     attr: str
     param: Optional[nn.Parameter]
-
-
-class ShardedParamPlaceholder(torch.Tensor):
-    """What ``module.<name>`` holds for an original parameter while its unit is sharded and
-    use_orig_params=False: the parameter's data is spread over the ranks, so nothing local can be
-    read (a view of the freed unsharded storage would read out of bounds). Shape, dtype and device
-    answer; any other use raises an error naming the parameter and the fix."""
-
-    _METADATA = frozenset(
-        [
-            torch.Tensor.shape.__get__,
-            torch.Tensor.ndim.__get__,
-            torch.Tensor.dtype.__get__,
-            torch.Tensor.device.__get__,
-            torch.Tensor.requires_grad.__get__,
-            torch.Tensor.size,
-            torch.Tensor.dim,
-            torch.Tensor.numel,
-        ]
-    )
-    _fqn: str
-
-    @staticmethod
-    def __new__(cls, fqn: str, shape: torch.Size, like: torch.Tensor) -> "ShardedParamPlaceholder":
-        placeholder = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=like.dtype, device=like.device)
-        placeholder._fqn = fqn
-        return placeholder
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
-        if func in cls._METADATA:
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **(kwargs or {}))
-        placeholder = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, cls))
-        raise RuntimeError(
-            f"fsdp1: parameter '{placeholder._fqn}' is sharded across the ranks outside its unit's forward "
-            "and backward (use_orig_params=False), so this rank has no full value to use here. Read or change "
-            "it inside `with FullyShardedDataParallel.summon_full_params(model):`, or initialise it with "
-            "`model.apply(fn)`, which gathers it for fn; with use_orig_params=True the parameter stays "
-            "readable as this rank's shard."
-        )
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
-        cls.__torch_function__(func, types, args, kwargs)
-
-    def __repr__(self) -> str:  # type: ignore[override]
-        return f"ShardedParamPlaceholder('{self._fqn}', shape={tuple(self.shape)}: sharded, use summon_full_params)"
 
 
 class HandleState(Enum):
@@ -515,59 +469,189 @@ class FlatParamHandle:
 
     # ----------------------------------------------------------------------------- full parameters
     @contextlib.contextmanager
-    def full_params(self, writeback: bool) -> Iterator[None]:
-        """Within, the module holds every original parameter unsharded as an ``nn.Parameter`` (the
-        originals themselves with use_orig_params), outside autograd; on exit with ``writeback`` this
-        rank keeps its shard of what they hold then, including data the caller replaced. A buffer
-        kept gathered for a backward is gathered afresh: an optimizer step may have changed the shard."""
+    def gathered_views(self) -> Iterator[List[torch.Tensor]]:
+        """Every parameter's full value (collective: all ranks gather), as views of the unsharded
+        buffer outside autograd until exit; the module is not touched. A buffer kept gathered for a
+        backward is gathered afresh: an optimizer step may have changed the shard since."""
         self.reshard()
         self.unshard()
         self.wait_unshard()
-        views = self._unflatten(self._unsharded_buffer.detach())
-        exposed = self._expose_full_params(views)
+        try:
+            yield self._unflatten(self._unsharded_buffer.detach())
+        finally:
+            self.reshard()
+
+    @contextlib.contextmanager
+    def full_params(self, writeback: bool, expose: bool = True, offload_to_cpu: bool = False,
+                    with_grads: bool = False) -> Iterator[None]:
+        """Within, the module holds every original parameter unsharded as an ``nn.Parameter`` (the
+        originals themselves with use_orig_params), outside autograd; on exit with ``writeback`` this
+        rank keeps its shard of what they hold then, including data the caller replaced, also when
+        the body raised (as torch's).
+
+        Collective on every rank; a rank with ``expose=False`` (not rank 0 under ``rank0_only``)
+        frees what it gathered at once and its module stays as it was. ``offload_to_cpu`` shows CPU
+        copies (the device buffer is freed meanwhile); ``with_grads`` sets each one's ``.grad`` to
+        the full averaged gradient (None where no rank has one).
+        """
+        self.reshard()
+        self.unshard()
+        self.wait_unshard()
+        try:
+            views = self._unflatten(self._unsharded_buffer.detach())
+            grads = self._gathered_grads(with_grads)
+            if not expose:
+                self.reshard()
+                yield
+                return
+            if offload_to_cpu and views[0].device.type != "cpu":
+                views = [view.cpu() for view in views]
+                grads = None if grads is None else [grad.cpu() for grad in grads]
+                self.reshard()
+            exposed = self._expose_full_params(views, grads)
+            try:
+                yield
+            finally:  # written back even when the body raised, as torch's
+                try:
+                    if writeback:
+                        self._check_full_shapes(views, exposed)
+                        self.load_full_params(exposed)
+                finally:
+                    self._hide_full_params(restore_grads=grads is not None)
+        finally:
+            self.reshard()
+
+    def _gathered_grads(self, with_grads: bool) -> Optional[List[torch.Tensor]]:
+        """The full averaged gradient of every parameter (collective), or None without ``with_grads``
+        or when no rank holds a gradient for this unit."""
+        if not with_grads:
+            return None
+        if self._grad_is_unreduced:
+            raise RuntimeError(
+                f"fsdp1: summon_full_params(with_grads=True) inside no_sync() for unit with {self.fqns[:3]}: "
+                "the gradients are this rank's unreduced sums. Call it after the backward that synchronises them."
+            )
+        self.write_back_orig_grads()  # a zero_grad() on the original parameters since the last step counts
+        grad = self._optim_grad
+        flag = torch.tensor([0.0 if grad is None else 1.0], device=self._local_shard.device)
+        comm.all_reduce(flag, self.group).wait()
+        if flag.item() == 0.0:
+            return None
+        shard = self._local_shard.new_zeros(self._local_shard.shape)
+        if grad is not None:
+            lo, hi = self._grad_span
+            shard[lo:hi] = grad
+        full = shard.new_empty(self._padded_numel) if self.is_sharded else shard
+        if self.is_sharded:
+            comm.all_gather_into(full, shard, self.group).wait()
+        return self._unflatten(full)
+
+    def _expose_full_params(self, views: List[torch.Tensor], grads: Optional[List[torch.Tensor]]) -> List[nn.Parameter]:
+        if self.use_orig_params:
+            exposed = [slot.param for slot in self._slots]
+            for param, view in zip(exposed, views):
+                param.data = view
+            self.use_resting_views()
+        else:
+            requires_grad = self.flat_param.requires_grad
+            exposed = [nn.Parameter(view, requires_grad=requires_grad) for view in views]
+            del self._owner._parameters[FLAT_PARAM]
+            for slot in self._all_slots():
+                del slot.module.__dict__[slot.attr]
+            self._install(exposed, as_parameters=True)
+        if grads is not None:
+            for param, grad, requires_grad in zip(exposed, grads, self._requires_grad):
+                param.grad = grad if requires_grad else None
+        return exposed
+
+    def _check_full_shapes(self, views: List[torch.Tensor], exposed: List[nn.Parameter]) -> None:
+        for slot, view, param in zip(self._slots, views, exposed):
+            if param.shape != view.shape:
+                raise ValueError(
+                    f"fsdp1: parameter '{slot.fqn}' changed shape from {tuple(view.shape)} to "
+                    f"{tuple(param.shape)} inside summon_full_params; FSDP can only write back values of "
+                    "the same shape. Change values in place (e.g. param.copy_(...)) instead."
+                )
+
+    def _hide_full_params(self, restore_grads: bool) -> None:
+        self.reshard()
+        if self.use_orig_params:
+            self._point_orig_params_at_shard()
+            if restore_grads:  # the originals showed full gradients: back to views of the sharded one
+                self._set_grad_for_optim(self._optim_grad)
+        else:
+            self._register_flat_param_in_place_of_originals()
+
+    # ----------------------------------------------------------------------------- state dicts
+    @property
+    def shapes(self) -> Tuple[torch.Size, ...]:
+        """The shape of each parameter, in flat order (first registrations only)."""
+        return self._shapes
+
+    @property
+    def unpadded_numel(self) -> int:
+        """Elements of the flat parameter before tail padding: what a LOCAL state dict describes."""
+        return self._layout.numel
+
+    def slot_fqns(self) -> List[Tuple[str, int]]:
+        """Every registration's name (relative to the unit) with the index of its parameter in flat
+        order: first registrations in order, then the later ones of tied parameters."""
+        return [(slot.fqn, i) for i, slot in enumerate(self._slots)] + [(slot.fqn, i) for slot, i in self._shared_slots]
+
+    @contextlib.contextmanager
+    def names_registered(self, placeholder: torch.Tensor) -> Iterator[None]:
+        """use_orig_params=False: ``placeholder`` under every original name in the modules'
+        ``_parameters`` for the duration, so that a state-dict save lists their keys where the plain
+        model would (the module otherwise holds only the flat parameter)."""
+        for slot in self._all_slots():
+            slot.module._parameters[slot.attr] = placeholder
         try:
             yield
         finally:
-            if writeback:
-                self._write_back_full_params(views, exposed)
-            self._hide_full_params()
-            self.reshard()
+            for slot in self._all_slots():
+                slot.module._parameters.pop(slot.attr, None)
 
-    def _expose_full_params(self, views: List[torch.Tensor]) -> List[nn.Parameter]:
-        if self.use_orig_params:
-            for slot, view in zip(self._slots, views):
-                slot.param.data = view
-            self.use_resting_views()
-            return [slot.param for slot in self._slots]
-        requires_grad = self.flat_param.requires_grad
-        exposed = [nn.Parameter(view, requires_grad=requires_grad) for view in views]
-        del self._owner._parameters[FLAT_PARAM]
-        for slot in self._all_slots():
-            del slot.module.__dict__[slot.attr]
-        self._install(exposed, as_parameters=True)
-        return exposed
-
-    def _write_back_full_params(self, views: List[torch.Tensor], exposed: List[nn.Parameter]) -> None:
+    def load_full_params(self, values: Sequence[Optional[torch.Tensor]]) -> None:
+        """Copy this rank's part of each full value (in flat order; None keeps the parameter) into
+        the local shard; no communication. The shard changes in place, so optimizer references stay;
+        a gathered copy is dropped, so the next use gathers the new values."""
         with torch.no_grad():
-            for slot, view, param in zip(self._slots, views, exposed):
-                if param.data_ptr() == view.data_ptr():
+            for info, value in zip(self._shard_infos, values):
+                if value is None or not info.in_shard:
                     continue
-                if param.shape != view.shape:
-                    raise ValueError(
-                        f"fsdp1: parameter '{slot.fqn}' changed shape from {tuple(view.shape)} to "
-                        f"{tuple(param.shape)} inside summon_full_params; FSDP can only write back values of "
-                        "the same shape. Change values in place (e.g. param.copy_(...)) instead."
-                    )
-                view.copy_(param)
-            if self.is_sharded:
-                chunk = self._local_shard.numel()
-                self._local_shard.copy_(self._unsharded_buffer[self.rank * chunk : (self.rank + 1) * chunk])
+                piece = value.detach().reshape(-1)[info.intra_param_start : info.intra_param_start + info.numel_in_shard]
+                self._local_shard[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard].copy_(piece)
+        self.reshard()
 
-    def _hide_full_params(self) -> None:
-        if self.use_orig_params:
-            self._point_orig_params_at_shard()
-        else:
-            self._register_flat_param_in_place_of_originals()
+    def dim0_chunks(self) -> List[torch.Tensor]:
+        """Each parameter's rows that this rank holds when split along dim 0 over the group (DTensor's
+        ``Shard(0)``), as new tensors, without unsharding the unit (``RowRedistribution``)."""
+        return self._row_redistribution().rows_of(self._local_shard)
+
+    def load_dim0_chunks(self, chunks: Sequence[Optional[torch.Tensor]]) -> None:
+        """The inverse of ``dim0_chunks``: each parameter's rows of this rank (None keeps the
+        parameter, on every rank alike) go into the flat shards that cover them."""
+        pieces = self._row_redistribution().pieces_for(chunks, self._local_shard)
+        with torch.no_grad():
+            for offset, piece in pieces:
+                self._local_shard[offset : offset + piece.numel()].copy_(piece)
+        self.reshard()
+
+    def local_flat_shard(self) -> torch.Tensor:
+        """This rank's part of the unpadded flat parameter (a view of the shard; no copy)."""
+        start, end = self._row_redistribution().own
+        return self._local_shard[: end - start]
+
+    def load_local_flat_shard(self, local: torch.Tensor) -> None:
+        """Copy ``local`` (this rank's unpadded flat part, as ``local_flat_shard`` gave it) into the shard."""
+        with torch.no_grad():
+            self._local_shard[: local.numel()].copy_(local.reshape(-1))
+        self.reshard()
+
+    def _row_redistribution(self) -> RowRedistribution:
+        rank, world_size = (self.rank, self.world_size) if self.is_sharded else (0, 1)
+        return RowRedistribution(self._layout.offsets, self._shapes, self._layout.numel, self._padded_numel,
+                                 rank, world_size, self.group)
 
     # ----------------------------------------------------------------------------- module conversions
     @contextlib.contextmanager

@@ -136,3 +136,23 @@ def gradient_divide_factors(world_size: int) -> Tuple[float, float]:
     while world_size % pre == 0 and world_size / pre > pre:
         pre *= 2
     return float(pre), world_size / pre
+
+
+def dim0_chunk_range(offset: int, shape: Sequence[int], rank: int, world_size: int) -> Tuple[int, int]:
+    """The flat elements ``[start, end)`` of a parameter laid out at ``offset`` that rank ``rank``
+    holds when the parameter is split along dim 0 as DTensor's ``Shard(0)`` (and ``torch.chunk``)
+    split it: ``ceil(rows / world_size)`` rows a rank, the last ranks with fewer or none."""
+    rows = shape[0]
+    row_numel = 1
+    for dim in shape[1:]:
+        row_numel *= dim
+    rows_per_rank = chunk_numel(rows, world_size)
+    first = min(rank * rows_per_rank, rows)
+    last = min(first + rows_per_rank, rows)
+    return offset + first * row_numel, offset + last * row_numel
+
+
+def overlap(a: Tuple[int, int], b: Tuple[int, int]) -> Tuple[int, int]:
+    """The intersection of two half-open ranges; empty ranges come back as ``(start, start)``."""
+    start = max(a[0], b[0])
+    return start, max(start, min(a[1], b[1]))

@@ -10,6 +10,7 @@ from typing import Iterator, List
 
 from torch import nn
 
+from . import _collectives as comm
 from ._runtime import TrainingState
 from ._traversal import fsdp_units, is_fsdp_unit, unit_paths
 
@@ -25,20 +26,27 @@ def summon_full_params(
 ) -> Iterator[None]:
     """Within, every unit in ``module`` (or only ``module`` itself without ``recurse``) holds its
     original parameters unsharded; with ``writeback`` each rank keeps its shard of what they hold on
-    exit. Collective: every rank must enter it."""
-    for name, value in (("rank0_only", rank0_only), ("offload_to_cpu", offload_to_cpu), ("with_grads", with_grads)):
-        if value:
-            raise NotImplementedError(
-                f"fsdp1: summon_full_params({name}=True) is not supported yet; leave {name} at False."
-            )
+    exit. Collective: every rank must enter it.
+
+    ``rank0_only``: only global rank 0 holds them; the other ranks take part in the gathers and free
+    the result at once. ``offload_to_cpu``: the full parameters are CPU copies (no copy when the
+    compute device is the CPU). ``with_grads``: each one's ``.grad`` is the full averaged gradient,
+    with either ``use_orig_params`` value (torch's needs it True).
+    """
+    if writeback and rank0_only:
+        raise ValueError(
+            "fsdp1: summon_full_params(writeback=True, rank0_only=True) cannot write back: the other ranks "
+            "hold no full parameters to take their shards from. Pass writeback=False with rank0_only=True."
+        )
     units = fsdp_units(module) if recurse else ([module] if is_fsdp_unit(module) else [])
     _check_idle(module, units)
+    expose = not rank0_only or comm.global_rank() == 0
     with contextlib.ExitStack() as stack:
         for unit in units:
             unit.training_state = TrainingState.SUMMON_FULL_PARAMS
             stack.callback(setattr, unit, "training_state", TrainingState.IDLE)
             if unit._handle is not None:
-                stack.enter_context(unit._handle.full_params(writeback))
+                stack.enter_context(unit._handle.full_params(writeback, expose, offload_to_cpu, with_grads))
         yield
 
 
@@ -47,7 +55,8 @@ def _check_idle(module: nn.Module, units: List[nn.Module]) -> None:
     for unit in units:
         if unit.training_state is TrainingState.IDLE:
             continue
-        where = f"unit '{paths.get(unit, '?')}'" if paths.get(unit) else "the root unit"
+        path = unit._root_state.path_of(unit) if unit._root_state is not None else paths.get(unit)
+        where = f"unit '{path}'" if path else "the root unit"
         if unit.training_state is TrainingState.SUMMON_FULL_PARAMS:
             raise RuntimeError(
                 f"fsdp1: summon_full_params() was entered again for {where}, whose parameters are already "

@@ -1,10 +1,13 @@
 """Public enums and configuration dataclasses, named and ordered as in ``torch.distributed.fsdp.api``.
 
 Pure data: this module imports nothing of fsdp1, so every other module can use it. ``coerce_enum``
-lets a script pass torch's own enum members (``torch.distributed.fsdp.ShardingStrategy.FULL_SHARD``)
-wherever fsdp1 expects its own, which keeps scripts written for torch's FSDP1 running unchanged.
+and ``coerce_config`` let a script pass torch's own enum members
+(``torch.distributed.fsdp.ShardingStrategy.FULL_SHARD``) and config objects wherever fsdp1 expects its
+own, which keeps scripts written for torch's FSDP1, and clients that build torch's objects (HF
+Accelerate), running unchanged.
 """
 
+import dataclasses
 from dataclasses import dataclass
 from enum import Enum, auto
 from typing import Optional, Sequence, Type, TypeVar
@@ -154,3 +157,28 @@ def coerce_enum(value: Enum, enum_cls: Type[EnumT], argument: str) -> EnumT:
         return enum_cls[value.name]
     names = ", ".join(f"{enum_cls.__name__}.{n}" for n in enum_cls.__members__)
     raise ValueError(f"fsdp1: {argument}={value!r} is not one of {names}.")
+
+
+ConfigT = TypeVar("ConfigT")
+
+STATE_DICT_CONFIG_TYPES = {
+    StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
+    StateDictType.LOCAL_STATE_DICT: (LocalStateDictConfig, LocalOptimStateDictConfig),
+    StateDictType.SHARDED_STATE_DICT: (ShardedStateDictConfig, ShardedOptimStateDictConfig),
+}
+"""The model and optimizer config classes each state-dict type takes."""
+
+
+def coerce_config(config: object, config_cls: Type[ConfigT], argument: str) -> ConfigT:
+    """``config`` as an instance of ``config_cls``: ours as it is, torch's class of the same name
+    (a dataclass with the same fields) converted field by field. Any other class is an error that
+    names what the argument needs."""
+    if type(config) is config_cls:
+        return config  # type: ignore[return-value]
+    if dataclasses.is_dataclass(config) and type(config).__name__ == config_cls.__name__:
+        names = [field.name for field in dataclasses.fields(config_cls)]  # type: ignore[arg-type]
+        return config_cls(**{name: getattr(config, name) for name in names if hasattr(config, name)})
+    raise RuntimeError(
+        f"fsdp1: expected {argument} of type {config_cls.__name__} for this state-dict type, but got "
+        f"{type(config).__name__}; pass {config_cls.__name__}(...) (fsdp1's or torch's)."
+    )

@@ -7,14 +7,14 @@ a script written for torch's FSDP1 runs after swapping the import.
 
 import contextlib
 from enum import Enum, auto
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
 from . import _collectives as comm
-from . import _init, _runtime
+from . import _init, _runtime, _state_dict
 from ._device import materialization_device, resolve_compute_device
 from ._flat_param import FlatParameter, FlatParamHandle, ParamSlot
 from ._init import SHARDED_STRATEGIES
@@ -24,8 +24,13 @@ from ._unshard import summon_full_params
 from .api import (
     BackwardPrefetch,
     CPUOffload,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
     MixedPrecision,
+    OptimStateDictConfig,
     ShardingStrategy,
+    StateDictConfig,
+    StateDictType,
     coerce_enum,
 )
 from .wrap import AutoWrapPolicy
@@ -160,6 +165,15 @@ class FullyShardedDataParallel(nn.Module):
         _runtime.register_post_backward_hook(self)
         _runtime.register_forward_hooks(self)
 
+        # State dicts: FULL by default, as torch's; the names are torch's, which clients read.
+        self._state_dict_type = StateDictType.FULL_STATE_DICT
+        self._state_dict_config: StateDictConfig = FullStateDictConfig()
+        self._optim_state_dict_config: OptimStateDictConfig = FullOptimStateDictConfig()
+        self._state_dict_mesh: Optional[comm.DeviceMesh] = None  # the shard group's, made at the first SHARDED save
+        self._keys_loaded_by_hook: Set[str] = set()  # by the load pre-hook, for the post-hook's report
+        self._load_is_strict: Optional[bool] = None  # known while a load called on a unit runs
+        _state_dict.register_hooks(self)
+
     # ------------------------------------------------------------------------------ module protocol
     @property
     def module(self) -> nn.Module:
@@ -212,6 +226,19 @@ class FullyShardedDataParallel(nn.Module):
         self.compute_device = self._handle.flat_param.device
         return result
 
+    def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
+        """``nn.Module.state_dict`` in the form ``state_dict_type`` set (FULL by default), under the
+        unwrapped model's names. Collective: every rank must call it."""
+        with _state_dict.saving(self):
+            return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """``nn.Module.load_state_dict`` of the form ``state_dict_type`` set, by clean names. The whole
+        dict is checked first (shapes; with ``strict`` missing and unexpected keys), so a load that
+        fails raises on every rank and changes nothing. Collective: every rank must call it."""
+        with _state_dict.loading(self, strict):
+            return super().load_state_dict(state_dict, strict, assign)
+
     # ------------------------------------------------------------------------------ torch FSDP1 surface
     @property
     def _has_params(self) -> bool:
@@ -230,6 +257,9 @@ class FullyShardedDataParallel(nn.Module):
         return bool(self._is_root)
 
     summon_full_params = staticmethod(summon_full_params)
+    set_state_dict_type = staticmethod(_state_dict.set_state_dict_type)
+    get_state_dict_type = staticmethod(_state_dict.get_state_dict_type)
+    state_dict_type = staticmethod(_state_dict.state_dict_type)
 
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> List["FullyShardedDataParallel"]:

@@ -50,3 +50,45 @@ def test_estimator_predicts_the_measured_peak(variant, world_size):
     assert predicted.step_start == measured.step_start
     assert predicted.state == measured.state
     assert abs(predicted.peak - measured.peak) <= 0.10 * measured.peak, (predicted, measured)
+
+
+def _state_dict_memory(implementation, kind, rank, world_size):
+    """Bytes a ``state_dict()`` call adds as ``rank`` of ``world_size``: at its peak, and kept in the
+    returned dict; plus the largest unit's unsharded bytes."""
+    from live_memory import LiveStorageTracker
+
+    import fsdp1
+    from workload import Block
+
+    with fake_process_group(world_size, rank=rank), LiveStorageTracker() as tracker:
+        torch.manual_seed(0)
+        if implementation == "fsdp1":
+            api = fsdp1
+            model = fsdp1.FullyShardedDataParallel(SMALL.make_model(), auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({Block}))
+        else:
+            import torch.distributed.fsdp as api
+            from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+            model = api.FullyShardedDataParallel(SMALL.make_model(), auto_wrap_policy=ModuleWrapPolicy({Block}),
+                                                 device_id=torch.device("cpu"))
+        largest_unit = max(p.numel() * p.element_size() for p in model.parameters()) * world_size  # shards are equal
+        config = api.FullStateDictConfig(rank0_only=True) if kind == "FULL" else api.ShardedStateDictConfig()
+        with api.FullyShardedDataParallel.state_dict_type(model, api.StateDictType[f"{kind}_STATE_DICT"], config):
+            before = tracker.live
+            tracker.reset_peak()
+            state_dict = model.state_dict()
+            kept = tracker.live - before
+            del state_dict
+            return tracker.peak - before, kept, largest_unit
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_state_dict_saves_hold_at_most_one_unit(world_size):
+    # FULL with rank0_only, on a rank that keeps nothing: one unit gathered at a time, then freed.
+    peak, kept, largest_unit = _state_dict_memory("fsdp1", "FULL", 1, world_size)
+    assert kept == 0 and peak == largest_unit
+    # SHARDED: never an unsharded unit; the redistribution to dim-0 chunks holds about one shard.
+    peak, kept, largest_unit = _state_dict_memory("fsdp1", "SHARDED", 1, world_size)
+    torch_peak, torch_kept, _ = _state_dict_memory("torch", "SHARDED", 1, world_size)
+    assert kept == torch_kept and peak - kept <= largest_unit // world_size and peak < torch_peak

@@ -8,7 +8,9 @@ from torch import nn
 
 from fsdp1._shard_math import (
     chunk_numel,
+    dim0_chunk_range,
     gradient_divide_factors,
+    overlap,
     padded_unsharded_numel,
     param_shard_infos,
     plan_flat_layout,
@@ -85,3 +87,16 @@ def test_planner_runs_legacy_callable_policies_with_the_remaining_numel():
     planned = plan_auto_wrap(root, min_six_params, set(), {})
     assert list(planned) == [root[0]]  # 6 params; the inner Sequential's 2 + 3 = 5 stay with the root
     assert seen == [("Linear", 6), ("Linear", 2), ("Linear", 3), ("Sequential", 5)]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 7, 9, 10])
+def test_dim0_chunks_split_rows_as_torch_chunk_and_dtensor_do(rows, world_size):
+    offset, shape = 13, (rows, 3)
+    sizes = [c.shape[0] for c in torch.empty(shape).chunk(world_size)] if rows else []
+    sizes += [0] * (world_size - len(sizes))  # DTensor's Shard(0): ranks past the last chunk hold nothing
+    ranges = [dim0_chunk_range(offset, shape, rank, world_size) for rank in range(world_size)]
+    assert [(end - start) // 3 for start, end in ranges] == sizes
+    assert ranges[0][0] == offset and ranges[-1][1] == offset + rows * 3
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert overlap((0, 5), (3, 9)) == (3, 5) and overlap((0, 2), (4, 9)) == (4, 4)

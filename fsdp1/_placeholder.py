@@ -1,0 +1,57 @@
+"""What the module shows in place of an original parameter whose unit is sharded (use_orig_params=False).
+
+The handle installs these; they answer shape, dtype and device, and turn any other use into an error
+that names the parameter and the fix, where a view of the freed unsharded storage would read out of
+bounds.
+"""
+
+import torch
+
+
+class ShardedParamPlaceholder(torch.Tensor):
+    """What ``module.<name>`` holds for an original parameter while its unit is sharded and
+    use_orig_params=False: the parameter's data is spread over the ranks, so nothing local can be
+    read (a view of the freed unsharded storage would read out of bounds). Shape, dtype and device
+    answer; any other use raises an error naming the parameter and the fix."""
+
+    _METADATA = frozenset(
+        [
+            torch.Tensor.shape.__get__,
+            torch.Tensor.ndim.__get__,
+            torch.Tensor.dtype.__get__,
+            torch.Tensor.device.__get__,
+            torch.Tensor.requires_grad.__get__,
+            torch.Tensor.size,
+            torch.Tensor.dim,
+            torch.Tensor.numel,
+        ]
+    )
+    _fqn: str
+
+    @staticmethod
+    def __new__(cls, fqn: str, shape: torch.Size, like: torch.Tensor) -> "ShardedParamPlaceholder":
+        placeholder = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=like.dtype, device=like.device)
+        placeholder._fqn = fqn
+        return placeholder
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        if func in cls._METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        placeholder = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, cls))
+        raise RuntimeError(
+            f"fsdp1: parameter '{placeholder._fqn}' is sharded across the ranks outside its unit's forward "
+            "and backward (use_orig_params=False), so this rank has no full value to use here. Read or change "
+            "it inside `with FullyShardedDataParallel.summon_full_params(model):` (with rank0_only=True only rank "
+            "0 gets full values), or initialise it with "
+            "`model.apply(fn)`, which gathers it for fn; with use_orig_params=True the parameter stays "
+            "readable as this rank's shard."
+        )
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+        cls.__torch_function__(func, types, args, kwargs)
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"ShardedParamPlaceholder('{self._fqn}', shape={tuple(self.shape)}: sharded, use summon_full_params)"

@@ -1,0 +1,459 @@
+"""State dicts: which form every unit saves and loads (``state_dict_type``), and the FULL / SHARDED /
+LOCAL save and load, always under the clean names of the unwrapped model. The only module that
+registers state-dict hooks.
+
+Saving runs inside ``saving(unit)``: with use_orig_params=False the module keeps only the flat
+parameter, so a name-only placeholder is put under every original name for the duration, and
+``nn.Module.state_dict`` emits the keys where the plain model would. The unit's post-hook then strips
+wrapper names and fills the keys: FULL gathers one unit at a time; SHARDED redistributes the flat
+shards into dim-0 chunks (DTensor ``Shard(0)``) with one all-to-all and never unshards; LOCAL is the
+flat shard itself. NO_SHARD units always save and load FULL, as torch's.
+
+Loading: the first unit the load reaches checks its whole subtree (keys, shapes) and agrees the
+verdict across its ranks before anything is written, so a failed load leaves the model as it was
+and raises on every rank. Each unit then writes its own parameters into its shard and hands the
+rest on under the wrapped names; its post-hook reports missing and unexpected keys by clean name.
+"""
+
+import contextlib
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.nn.modules.batchnorm import _NormBase
+
+from . import _collectives as comm
+from ._flat_param import FLAT_PARAM, FLATTENED, FlatParameter, FlatParamHandle
+from ._runtime import TrainingState
+from ._traversal import FSDP_PREFIX, FSDP_WRAPPED_MODULE, clean_fqn, fsdp_units, is_fsdp_unit
+from .api import (
+    STATE_DICT_CONFIG_TYPES,
+    FullStateDictConfig,
+    ShardingStrategy,
+    StateDictSettings,
+    StateDictType,
+    coerce_config,
+    coerce_enum,
+)
+
+if TYPE_CHECKING:
+    from .fully_sharded_data_parallel import FullyShardedDataParallel as Unit
+
+_NAME_ONLY = torch.empty(0)
+"""Stands under an original parameter's name while the module saves, so that its key comes out where
+the plain model's would; the post-hook replaces it before anyone sees it."""
+
+
+# ---------------------------------------------------------------------------------------- settings
+def register_hooks(unit: "Unit") -> None:
+    """The hooks that translate between the wrapped module's keys and the clean ones."""
+    unit._register_state_dict_hook(_post_state_dict)
+    unit._register_load_state_dict_pre_hook(_pre_load_state_dict, with_module=True)
+    unit.register_load_state_dict_post_hook(_post_load_state_dict)
+
+
+def set_state_dict_type(
+    module: nn.Module, state_dict_type: Any, state_dict_config: Any = None, optim_state_dict_config: Any = None
+) -> StateDictSettings:
+    """Set the type and configs on every unit in ``module`` (which need not be a unit); return the
+    previous settings. torch's enum members and config objects are accepted as well as fsdp1's."""
+    kind = coerce_enum(state_dict_type, StateDictType, "state_dict_type")
+    config_cls, optim_config_cls = STATE_DICT_CONFIG_TYPES[kind]
+    config = config_cls() if state_dict_config is None else coerce_config(state_dict_config, config_cls, "state_dict_config")
+    optim_config = (
+        optim_config_cls()
+        if optim_state_dict_config is None
+        else coerce_config(optim_state_dict_config, optim_config_cls, "optim_state_dict_config")
+    )
+    units = _units_of(module, "set_state_dict_type")
+    previous = _settings_of(units[0])
+    for unit in units:
+        unit._state_dict_type, unit._state_dict_config, unit._optim_state_dict_config = kind, config, optim_config
+    return previous
+
+
+def get_state_dict_type(module: nn.Module) -> StateDictSettings:
+    """The settings every unit in ``module`` shares; an error names two units that disagree."""
+    units = _units_of(module, "get_state_dict_type")
+    first = _settings_of(units[0])
+    for unit in units[1:]:
+        if _settings_of(unit) != first:
+            raise RuntimeError(
+                f"fsdp1: the units of this model have different state-dict settings ({first} and "
+                f"{_settings_of(unit)}); set them together with FullyShardedDataParallel.set_state_dict_type(model, ...)."
+            )
+    return first
+
+
+@contextlib.contextmanager
+def state_dict_type(
+    module: nn.Module, state_dict_type: Any, state_dict_config: Any = None, optim_state_dict_config: Any = None
+) -> Iterator[None]:
+    """``set_state_dict_type`` for the duration of the block; the previous settings come back after."""
+    previous = {unit: _settings_of(unit) for unit in _units_of(module, "state_dict_type")}
+    set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
+    try:
+        yield
+    finally:
+        for unit, settings in previous.items():
+            unit._state_dict_type = settings.state_dict_type
+            unit._state_dict_config = settings.state_dict_config
+            unit._optim_state_dict_config = settings.optim_state_dict_config
+
+
+def _units_of(module: nn.Module, api: str) -> List["Unit"]:
+    units = fsdp_units(module)
+    if not units:
+        raise ValueError(
+            f"fsdp1: {api}() found no FullyShardedDataParallel unit in {type(module).__name__}; pass the "
+            "wrapped model (or a module that contains its units)."
+        )
+    return units  # type: ignore[return-value]
+
+
+def _settings_of(unit: "Unit") -> StateDictSettings:
+    return StateDictSettings(unit._state_dict_type, unit._state_dict_config, unit._optim_state_dict_config)
+
+
+def _effective_type(unit: "Unit") -> StateDictType:
+    """NO_SHARD units save and load FULL whatever the setting (torch's rule), except on a one-rank
+    group, where SHARDED / LOCAL still give DTensors that load on any number of ranks (torch's gives
+    full tensors there, pytorch#109666)."""
+    if unit.sharding_strategy is ShardingStrategy.NO_SHARD and unit.world_size > 1:
+        return StateDictType.FULL_STATE_DICT
+    return unit._state_dict_type
+
+
+def _check_idle(unit: "Unit", api: str) -> None:
+    if unit.training_state is not TrainingState.IDLE:
+        where = "inside summon_full_params()" if unit.training_state is TrainingState.SUMMON_FULL_PARAMS else "during forward or backward"
+        raise RuntimeError(
+            f"fsdp1: {api}() was called {where}; call it between training steps, outside summon_full_params()."
+        )
+
+
+# ---------------------------------------------------------------------------------------- saving
+@contextlib.contextmanager
+def saving(unit: "Unit") -> Iterator[None]:
+    """Around ``nn.Module.state_dict`` of ``unit``: every original parameter's name is registered
+    (use_orig_params=False) so that its key comes out in the plain model's order, and removed again
+    whatever happens."""
+    _check_idle(unit, "state_dict")
+    handle = unit._handle
+    if handle is None or handle.use_orig_params or _effective_type(unit) is StateDictType.LOCAL_STATE_DICT:
+        yield
+        return
+    with handle.names_registered(_NAME_ONLY):
+        yield
+
+
+def _post_state_dict(unit: "Unit", destination: Dict[str, Any], prefix: str, local_metadata: Any) -> Dict[str, Any]:
+    _strip_wrapper_names(destination, prefix)
+    kind = _effective_type(unit)
+    config = unit._state_dict_config if kind is unit._state_dict_type else FullStateDictConfig()
+    keep = not (kind is StateDictType.FULL_STATE_DICT and getattr(config, "rank0_only", False) and comm.global_rank() != 0)
+    if unit._handle is not None:
+        _save_params(unit, unit._handle, destination, prefix, kind, config.offload_to_cpu, keep)
+    for key in [prefix + clean_fqn(name) for name, _ in unit.named_buffers()]:
+        if key not in destination:
+            continue
+        if not keep:
+            del destination[key]
+        elif config.offload_to_cpu:
+            destination[key] = destination[key].cpu()
+    return destination
+
+
+def _save_params(unit: "Unit", handle: FlatParamHandle, destination: Dict[str, Any], prefix: str,
+                 kind: StateDictType, offload_to_cpu: bool, keep: bool) -> None:
+    """Fill the keys of the unit's parameters (placeholders or shard views until now) in ``kind``'s
+    form; LOCAL puts the flat shard in their place."""
+    flat_key = prefix + FLAT_PARAM
+    keys = [(prefix + clean_fqn(fqn), index) for fqn, index in handle.slot_fqns()]
+    if kind is StateDictType.LOCAL_STATE_DICT:
+        for key, _ in keys:
+            destination.pop(key, None)
+        destination[flat_key] = _local_dtensor(unit, handle, offload_to_cpu)
+        return
+    destination.pop(flat_key, None)
+    if kind is StateDictType.FULL_STATE_DICT:
+        values = _full_values(handle, keep, offload_to_cpu)
+    else:
+        values = _sharded_values(unit, handle, offload_to_cpu)
+    seen: Set[int] = set()
+    for key, index in keys:
+        if values is None:
+            destination.pop(key, None)
+        elif kind is StateDictType.FULL_STATE_DICT and index in seen:
+            destination[key] = values[index].clone()  # each name of a tied weight its own tensor, as torch's
+        else:
+            destination[key] = values[index]
+        seen.add(index)
+
+
+def _strip_wrapper_names(destination: Dict[str, Any], prefix: str) -> None:
+    """Keys below ``prefix`` as the unwrapped model names them. They are the last ones added (this
+    unit's part of the traversal), so re-inserting them in order keeps the order."""
+    below = [key for key in destination if key.startswith(prefix)]
+    if all(clean_fqn(key[len(prefix) :]) == key[len(prefix) :] for key in below):
+        return
+    for key in below:
+        destination[prefix + clean_fqn(key[len(prefix) :])] = destination.pop(key)
+
+
+def _full_values(handle: FlatParamHandle, keep: bool, offload_to_cpu: bool) -> Optional[List[torch.Tensor]]:
+    """Every parameter's full value, copied out of the gathered buffer (collective on every rank);
+    None on a rank that keeps nothing, which frees the gathered unit at once."""
+    with handle.gathered_views() as views:
+        if not keep:
+            return None
+        return [view.to("cpu", copy=True) if offload_to_cpu else view.clone() for view in views]
+
+
+def _sharded_values(unit: "Unit", handle: FlatParamHandle, offload_to_cpu: bool) -> List[DTensor]:
+    """One DTensor per parameter, split along dim 0 over the unit's shard group (torch's layout)."""
+    mesh = _mesh_of(unit)
+    values = []
+    for chunk, shape in zip(handle.dim0_chunks(), handle.shapes):
+        local = chunk.cpu() if offload_to_cpu else chunk
+        values.append(DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape, stride=_contiguous_stride(shape)))
+    return values
+
+
+def _local_dtensor(unit: "Unit", handle: FlatParamHandle, offload_to_cpu: bool) -> DTensor:
+    """The unit's unpadded flat parameter as a DTensor whose local part is this rank's shard (a view)."""
+    local = handle.local_flat_shard()
+    local = local.cpu() if offload_to_cpu else local
+    numel = handle.unpadded_numel
+    return DTensor.from_local(local, _mesh_of(unit), [Shard(0)], run_check=False, shape=torch.Size([numel]), stride=(1,))
+
+
+def _mesh_of(unit: "Unit") -> comm.DeviceMesh:
+    if unit._state_dict_mesh is None:
+        unit._state_dict_mesh = comm.device_mesh_of(unit.process_group, unit.compute_device.type)
+    return unit._state_dict_mesh
+
+
+def _contiguous_stride(shape: torch.Size) -> Tuple[int, ...]:
+    stride, step = [], 1
+    for dim in reversed(shape):
+        stride.append(step)
+        step *= dim
+    return tuple(reversed(stride))
+
+
+# ---------------------------------------------------------------------------------------- loading
+@contextlib.contextmanager
+def loading(unit: "Unit", strict: bool) -> Iterator[None]:
+    """Around ``nn.Module.load_state_dict`` of ``unit``: its hooks learn ``strict`` (``nn.Module``
+    passes them True whatever it is), so that missing and unexpected keys are refused before anything
+    is written, not after."""
+    units = fsdp_units(unit)
+    for member in units:
+        member._load_is_strict = strict
+    try:
+        yield
+    finally:
+        for member in units:
+            member._load_is_strict = None
+
+
+def _pre_load_state_dict(
+    unit: "Unit", state_dict: Dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
+    missing_keys: List[str], unexpected_keys: List[str], error_msgs: List[str],
+) -> None:
+    _check_idle(unit, "load_state_dict")
+    if FSDP_WRAPPED_MODULE not in prefix.split("."):  # the first unit of this load: check its subtree
+        problem = _check_subtree(unit, state_dict, prefix, bool(unit._load_is_strict))
+        _agree_on(unit, prefix, problem)
+    loaded: Set[str] = set()
+    handle = unit._handle
+    clean_prefix = clean_fqn(prefix)
+    if handle is not None:
+        kind = _effective_type(unit)
+        if kind is StateDictType.LOCAL_STATE_DICT:
+            value = state_dict.pop(prefix + FLAT_PARAM, None)
+            if value is None:
+                missing_keys.append(clean_prefix + FLAT_PARAM)
+            else:
+                handle.load_local_flat_shard(_local_part(value))
+                loaded.add(clean_prefix + FLAT_PARAM)
+                loaded.update(clean_prefix + clean_fqn(fqn) for fqn, _ in handle.slot_fqns())
+        else:
+            loaded.add(clean_prefix + FLAT_PARAM)
+            values: List[Optional[Any]] = [None] * len(handle.shapes)
+            for fqn, index in handle.slot_fqns():
+                name = clean_fqn(fqn)
+                value = state_dict.pop(prefix + name, None)
+                if value is None:
+                    missing_keys.append(clean_prefix + name)
+                    continue
+                loaded.add(clean_prefix + name)
+                values[index] = value  # of a tied parameter's names, the last one wins, as in nn.Module
+            if kind is StateDictType.FULL_STATE_DICT:
+                handle.load_full_params([None if v is None else _full_value(v) for v in values])
+            else:
+                handle.load_dim0_chunks([None if v is None else _dim0_chunk(unit, handle, i, v) for i, v in enumerate(values)])
+    unit._keys_loaded_by_hook = loaded
+    for key in [key for key in state_dict if key.startswith(prefix)]:
+        state_dict[prefix + FSDP_PREFIX + key[len(prefix) :]] = state_dict.pop(key)
+
+
+def _post_load_state_dict(unit: "Unit", incompatible_keys: Any) -> None:
+    """Report missing and unexpected keys by clean name, once each; the ones this unit loaded itself
+    (which the wrapped module, holding only shard views or the flat parameter, reports) are not."""
+    loaded = unit._keys_loaded_by_hook
+    for keys in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
+        cleaned = [clean_fqn(key) for key in keys]
+        keys[:] = list(dict.fromkeys(key for key in cleaned if key not in loaded))
+
+
+def _full_value(value: Any) -> torch.Tensor:
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def _dim0_chunk(unit: "Unit", handle: FlatParamHandle, index: int, value: Any) -> torch.Tensor:
+    """This rank's dim-0 rows of ``value``: the local part of a DTensor or ShardedTensor laid out as
+    this unit saves (the usual case: a template from ``state_dict()`` filled by DCP), else cut from
+    the full value (a plain tensor, or any other layout gathered first)."""
+    rank, world = (unit.rank, unit.world_size) if handle.is_sharded else (0, 1)
+    shape = handle.shapes[index]
+    rows_per_rank = -(-shape[0] // world)
+    first, last = min(rank * rows_per_rank, shape[0]), min((rank + 1) * rows_per_rank, shape[0])
+    if isinstance(value, DTensor):
+        if value.placements == (Shard(0),) and value.device_mesh.size() == world and value.to_local().shape[0] == last - first:
+            return value.to_local()
+        value = value.full_tensor()
+    elif _is_sharded_tensor(value):
+        shards = value.local_shards()
+        offsets = [list(shard.metadata.shard_offsets) for shard in shards]
+        if len(shards) == 1 and offsets[0][0] == first and shards[0].tensor.shape[0] == last - first:
+            return shards[0].tensor
+        if not shards and first == last:
+            return torch.empty((0, *shape[1:]), dtype=value.dtype)
+        raise RuntimeError(
+            f"fsdp1: a ShardedTensor in the state dict is not split by rows over this unit's group as "
+            f"SHARDED_STATE_DICT is (rank {comm.global_rank()} holds offsets {offsets}); load it through "
+            "torch.distributed.checkpoint, which reshards."
+        )
+    return value[first:last]
+
+
+def _local_part(value: Any) -> torch.Tensor:
+    if isinstance(value, DTensor):
+        return value.to_local()
+    if _is_sharded_tensor(value):
+        shards = value.local_shards()
+        return shards[0].tensor if shards else torch.empty(0)
+    return value
+
+
+def _is_sharded_tensor(value: Any) -> bool:
+    return type(value).__name__ == "ShardedTensor" and hasattr(value, "local_shards")
+
+
+# ---------------------------------------------------------------------------------------- checking
+def _check_subtree(unit: "Unit", state_dict: Dict[str, Any], prefix: str, strict: bool) -> Optional[str]:
+    """What is wrong with ``state_dict`` for ``unit``'s subtree (None if nothing): a value whose shape
+    differs from the model's, and with ``strict`` a key the model has and the dict lacks or the
+    reverse (through a root that is not a unit, strictness is not known here: ``nn.Module`` then
+    reports those keys after loading the rest, as it does for a plain model). Keys a module may fill
+    or consume in its own way (``_is_exempt``) are only checked for shape."""
+    expected, exempt = _expected_entries(unit)
+    given = {key[len(prefix) :]: value for key, value in state_dict.items() if key.startswith(prefix)}
+    clean_prefix = clean_fqn(prefix)
+    for name, shape in expected.items():
+        value = given.get(name)
+        if value is None or shape is None or not isinstance(value, torch.Tensor):
+            continue
+        if tuple(value.shape) != tuple(shape):
+            return (
+                f"size mismatch for '{clean_prefix}{name}': the state dict has shape {tuple(value.shape)}, the "
+                f"model {tuple(shape)}. Load a checkpoint of this model, or fix the model's configuration."
+            )
+    if not strict:
+        return None
+    missing = [name for name in expected if name not in given and not _is_exempt(name, exempt)]
+    unexpected = [name for name in given if name not in expected and not _is_exempt(name, exempt)]
+    parts = []
+    if missing:
+        parts.append(f"missing key(s) {_names(clean_prefix, missing)}")
+    if unexpected:
+        parts.append(f"unexpected key(s) {_names(clean_prefix, unexpected)}")
+    if parts:
+        return " and ".join(parts) + ". Pass strict=False to load the keys that match and get the rest listed."
+    return None
+
+
+def _is_exempt(name: str, exempt: List[str]) -> bool:
+    """``exempt`` holds key names, and module prefixes (ending in a dot) for every key below them."""
+    return any(name == entry or (entry.endswith(".") or entry == "") and name.startswith(entry) for entry in exempt)
+
+
+def _names(prefix: str, names: Sequence[str], shown: int = 5) -> str:
+    listed = ", ".join(f"'{prefix}{name}'" for name in names[:shown])
+    return listed + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
+def _expected_entries(unit: "Unit") -> Tuple[Dict[str, Optional[torch.Size]], List[str]]:
+    """The clean keys (relative to ``unit``) a state dict of its subtree has, with their shapes (None
+    where unknown), and what ``_is_exempt`` spares: the keys a norm layer fills or drops itself
+    (``num_batches_tracked`` of old checkpoints, running statistics it does not track), and everything below any other module
+    that loads in its own way (a custom ``_load_from_state_dict`` or load hook may rename keys)."""
+    expected: Dict[str, Optional[torch.Size]] = {}
+    exempt: List[str] = []
+    for raw_name, module in unit.named_modules(remove_duplicate=False):
+        path = clean_fqn(raw_name)
+        dot = f"{path}." if path else ""
+        if is_fsdp_unit(module):
+            _add_unit_entries(module, dot, expected)
+            continue
+        if isinstance(module, _NormBase) and not module._load_state_dict_pre_hooks:
+            untracked = [dot + name for name in ("running_mean", "running_var") if module._buffers.get(name) is None]
+            exempt += [dot + "num_batches_tracked", *untracked]
+        elif _loads_in_own_way(module):
+            exempt.append(dot)
+        for attr, param in module._parameters.items():
+            if param is not None and not isinstance(param, FlatParameter) and not getattr(param, FLATTENED, False):
+                expected[dot + attr] = param.shape
+        for attr, buffer in module._buffers.items():
+            if buffer is not None and attr not in module._non_persistent_buffers_set:
+                expected[dot + attr] = buffer.shape
+        if type(module).get_extra_state is not nn.Module.get_extra_state:
+            expected[dot + "_extra_state"] = None
+    return expected, exempt
+
+
+def _add_unit_entries(unit: "Unit", dot: str, expected: Dict[str, Optional[torch.Size]]) -> None:
+    handle = unit._handle
+    if handle is None:
+        return
+    if _effective_type(unit) is StateDictType.LOCAL_STATE_DICT:
+        expected[dot + FLAT_PARAM] = torch.Size([handle.unpadded_numel])
+        return
+    for fqn, index in handle.slot_fqns():
+        expected[dot + clean_fqn(fqn)] = handle.shapes[index]
+
+
+def _loads_in_own_way(module: nn.Module) -> bool:
+    if hasattr(module, "_checkpoint_wrapped_module"):  # only renames keys, which the checks already undo
+        return False
+    return type(module)._load_from_state_dict is not nn.Module._load_from_state_dict or bool(module._load_state_dict_pre_hooks)
+
+
+def _agree_on(unit: "Unit", prefix: str, problem: Optional[str]) -> None:
+    """Raise on every rank of the unit's group if the check failed on any, naming the ranks, so that
+    no rank goes on into a collective the others never reach."""
+    problems = comm.all_gather_object(problem, unit.process_group) if unit.world_size > 1 else [problem]
+    failed = [(rank, p) for rank, p in enumerate(problems) if p is not None]
+    if not failed:
+        return
+    ranks = ", ".join(str(rank) for rank, _ in failed)
+    where = (
+        "the model is unchanged"
+        if not prefix
+        else f"nothing below '{clean_fqn(prefix)[:-1]}' was loaded, but its parent, which is not an FSDP unit, may "
+        "have loaded its own entries before (wrap the root in FullyShardedDataParallel to have the whole dict checked first)"
+    )
+    raise RuntimeError(f"fsdp1: load_state_dict() refused on rank(s) {ranks}; {where}: {failed[0][1]}")
