@@ -10,12 +10,12 @@ reports throughput and each rank's memory for parameters, gradients and AdamW st
 one process would hold for the unsharded model. ``--strategy`` and ``--use-orig-params`` choose the
 sharding; ``--text`` another corpus.
 
-Checkpoints: every ``--checkpoint-every`` steps (default 100) the model is saved as a sharded
-checkpoint (``SHARDED_STATE_DICT`` through ``torch.distributed.checkpoint``) in
+Checkpoints: every ``--checkpoint-every`` steps (default 100) the model and the AdamW state are saved
+as a sharded checkpoint (``SHARDED_STATE_DICT`` through ``torch.distributed.checkpoint``) in
 ``--checkpoint-dir``/step_NNNNNN; ``--resume`` continues from the latest complete one, on any number
-of ranks. ``python tools/checkpoint.py consolidate out/checkpoints/step_000500 model.pt --prefix model.``
-turns one into a single file that loads into the plain model. The optimizer state is not saved yet (AdamW restarts from zero
-moments on resume).
+of ranks; on as many ranks as before, the losses are those of the uninterrupted run bit for bit.
+``python tools/checkpoint.py consolidate out/checkpoints/step_000500 model.pt --prefix model.`` turns
+one into a single file that loads into the plain model.
 """
 
 import argparse
@@ -128,22 +128,27 @@ def latest_checkpoint(directory: Path) -> Tuple[int, Optional[Path]]:
     return max(steps) if steps else (0, None)
 
 
-def save_checkpoint(model: nn.Module, directory: Path, step: int) -> None:
-    """Every rank writes its own dim-0 chunks; the directory gets its final name only once complete."""
+def save_checkpoint(model: nn.Module, optim: torch.optim.Optimizer, directory: Path, step: int) -> None:
+    """Every rank writes its own dim-0 rows of the parameters and the AdamW moments; the directory gets
+    its final name only once complete."""
+    FSDP = fsdp1.FullyShardedDataParallel
     final, staging = directory / f"step_{step:06d}", directory / f"step_{step:06d}.partial"
-    with fsdp1.FullyShardedDataParallel.state_dict_type(model, fsdp1.StateDictType.SHARDED_STATE_DICT):
-        dcp.save({"model": model.state_dict()}, checkpoint_id=staging)
+    with FSDP.state_dict_type(model, fsdp1.StateDictType.SHARDED_STATE_DICT):
+        dcp.save({"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)}, checkpoint_id=staging)
     dist.barrier()
     if dist.get_rank() == 0:
         staging.rename(final)
     dist.barrier()
 
 
-def load_checkpoint(model: nn.Module, path: Path) -> None:
-    with fsdp1.FullyShardedDataParallel.state_dict_type(model, fsdp1.StateDictType.SHARDED_STATE_DICT):
-        state = {"model": model.state_dict()}
+def load_checkpoint(model: nn.Module, optim: torch.optim.Optimizer, path: Path) -> None:
+    """Fill templates of this run's model and fresh optimizer from the checkpoint, on any number of ranks."""
+    FSDP = fsdp1.FullyShardedDataParallel
+    with FSDP.state_dict_type(model, fsdp1.StateDictType.SHARDED_STATE_DICT):
+        state = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)}
         dcp.load(state, checkpoint_id=path)
         model.load_state_dict(state["model"])
+        optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, state["optim"]))
 
 
 def main() -> None:
@@ -182,7 +187,7 @@ def main() -> None:
     if args.resume:
         done, path = latest_checkpoint(args.checkpoint_dir)
         if path is not None:
-            load_checkpoint(model, path)
+            load_checkpoint(model, optim, path)
             first_step = done + 1
             if rank == 0:
                 print(f"resumed from {path} (step {done})", flush=True)
@@ -197,8 +202,8 @@ def main() -> None:
             held = state_bytes(model, optim)  # with this step's gradients still in place
         optim.zero_grad(set_to_none=True)
         if args.checkpoint_every and step % args.checkpoint_every == 0:
-            save_checkpoint(model, args.checkpoint_dir, step)
-        if step % 25 == 0 or step == first_step:
+            save_checkpoint(model, optim, args.checkpoint_dir, step)
+        if step % 25 == 0 or step == first_step or step == args.steps:
             mean_loss = mean_over_ranks(loss)
             if hasattr(bar, "set_postfix"):
                 bar.set_postfix(loss=f"{mean_loss:.4f}")
@@ -216,7 +221,7 @@ def report(rank, world_size, args, steps, vocab, num_params, held, seconds, fina
     unsharded = 16 * num_params  # fp32 parameter, gradient and two AdamW moments per element
     if rank == 0:
         print(f"{steps} steps in {seconds:.1f} s: {tokens / seconds:,.0f} tokens/s over {world_size} rank(s); "
-              f"final loss {final_loss:.4f} (uniform guess {math.log(vocab):.2f})", flush=True)
+              f"final loss {final_loss:.6f} (uniform guess {math.log(vocab):.2f})", flush=True)
     for r in range(world_size):
         if r == rank:
             line = (f"rank {rank}: parameters + gradients + AdamW state {held / 2**20:.2f} MiB, "

@@ -118,6 +118,23 @@ def device_mesh_of(group: ProcessGroup, device_type: str) -> DeviceMesh:
     return DeviceMesh.from_group(group, device_type)
 
 
+def scatter_from_first(output: torch.Tensor, full: Optional[torch.Tensor], group: ProcessGroup) -> None:
+    """Rank r of ``group`` receives the r-th equal chunk of the first rank's ``full`` (None elsewhere)."""
+    chunks = list(full.chunk(group_size(group))) if full is not None else None
+    dist.scatter(output, chunks, src=dist.get_global_rank(group, 0), group=group)
+
+
+def broadcast_object_from_first(obj: Any, group: ProcessGroup) -> Any:
+    """The first rank's ``obj`` on every rank (small metadata only: it is pickled)."""
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0), group=group)
+    return holder[0]
+
+
+def global_rank_of(group: ProcessGroup, group_rank: int) -> int:
+    return dist.get_global_rank(group, group_rank)
+
+
 def global_rank() -> int:
     return dist.get_rank()
 

@@ -29,7 +29,7 @@ from torch import nn
 
 from . import _collectives as comm
 from ._placeholder import ShardedParamPlaceholder
-from ._redistribute import RowRedistribution
+from ._shard_conversions import ShardConversions
 from ._shard_math import (
     ALIGNMENT_BYTES,
     ALIGNMENT_PADDING_VALUE,
@@ -124,7 +124,7 @@ class GradReduction:
         self.handle._accumulate_reduced_grad(self.reduced)
 
 
-class FlatParamHandle:
+class FlatParamHandle(ShardConversions):
     """Flattens, shards, unshards and reshards one unit's parameters and reduces their gradient.
 
     ``owner`` is the module whose ``_parameters`` holds the FlatParameter (use_orig_params=False), so
@@ -581,77 +581,6 @@ class FlatParamHandle:
                 self._set_grad_for_optim(self._optim_grad)
         else:
             self._register_flat_param_in_place_of_originals()
-
-    # ----------------------------------------------------------------------------- state dicts
-    @property
-    def shapes(self) -> Tuple[torch.Size, ...]:
-        """The shape of each parameter, in flat order (first registrations only)."""
-        return self._shapes
-
-    @property
-    def unpadded_numel(self) -> int:
-        """Elements of the flat parameter before tail padding: what a LOCAL state dict describes."""
-        return self._layout.numel
-
-    def slot_fqns(self) -> List[Tuple[str, int]]:
-        """Every registration's name (relative to the unit) with the index of its parameter in flat
-        order: first registrations in order, then the later ones of tied parameters."""
-        return [(slot.fqn, i) for i, slot in enumerate(self._slots)] + [(slot.fqn, i) for slot, i in self._shared_slots]
-
-    @contextlib.contextmanager
-    def names_registered(self, placeholder: torch.Tensor) -> Iterator[None]:
-        """use_orig_params=False: ``placeholder`` under every original name in the modules'
-        ``_parameters`` for the duration, so that a state-dict save lists their keys where the plain
-        model would (the module otherwise holds only the flat parameter)."""
-        for slot in self._all_slots():
-            slot.module._parameters[slot.attr] = placeholder
-        try:
-            yield
-        finally:
-            for slot in self._all_slots():
-                slot.module._parameters.pop(slot.attr, None)
-
-    def load_full_params(self, values: Sequence[Optional[torch.Tensor]]) -> None:
-        """Copy this rank's part of each full value (in flat order; None keeps the parameter) into
-        the local shard; no communication. The shard changes in place, so optimizer references stay;
-        a gathered copy is dropped, so the next use gathers the new values."""
-        with torch.no_grad():
-            for info, value in zip(self._shard_infos, values):
-                if value is None or not info.in_shard:
-                    continue
-                piece = value.detach().reshape(-1)[info.intra_param_start : info.intra_param_start + info.numel_in_shard]
-                self._local_shard[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard].copy_(piece)
-        self.reshard()
-
-    def dim0_chunks(self) -> List[torch.Tensor]:
-        """Each parameter's rows that this rank holds when split along dim 0 over the group (DTensor's
-        ``Shard(0)``), as new tensors, without unsharding the unit (``RowRedistribution``)."""
-        return self._row_redistribution().rows_of(self._local_shard)
-
-    def load_dim0_chunks(self, chunks: Sequence[Optional[torch.Tensor]]) -> None:
-        """The inverse of ``dim0_chunks``: each parameter's rows of this rank (None keeps the
-        parameter, on every rank alike) go into the flat shards that cover them."""
-        pieces = self._row_redistribution().pieces_for(chunks, self._local_shard)
-        with torch.no_grad():
-            for offset, piece in pieces:
-                self._local_shard[offset : offset + piece.numel()].copy_(piece)
-        self.reshard()
-
-    def local_flat_shard(self) -> torch.Tensor:
-        """This rank's part of the unpadded flat parameter (a view of the shard; no copy)."""
-        start, end = self._row_redistribution().own
-        return self._local_shard[: end - start]
-
-    def load_local_flat_shard(self, local: torch.Tensor) -> None:
-        """Copy ``local`` (this rank's unpadded flat part, as ``local_flat_shard`` gave it) into the shard."""
-        with torch.no_grad():
-            self._local_shard[: local.numel()].copy_(local.reshape(-1))
-        self.reshard()
-
-    def _row_redistribution(self) -> RowRedistribution:
-        rank, world_size = (self.rank, self.world_size) if self.is_sharded else (0, 1)
-        return RowRedistribution(self._layout.offsets, self._shapes, self._layout.numel, self._padded_numel,
-                                 rank, world_size, self.group)
 
     # ----------------------------------------------------------------------------- module conversions
     @contextlib.contextmanager

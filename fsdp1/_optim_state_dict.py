@@ -1,0 +1,438 @@
+"""Optimizer state dicts: the optimizer's state of flat parameters (or of the original parameters'
+shard slices, with use_orig_params) as one entry per original parameter under its clean name, and
+back, in the form the model's ``state_dict_type`` sets: FULL (each state tensor gathered whole),
+SHARDED (DTensor rows, for DCP, as the model's own SHARDED state) or LOCAL (the optimizer's own).
+
+Per unit, every tensor state is first laid out as the unit's local shard, so that the handle's
+conversions serve optimizer state exactly as they serve the parameters: one all-gather (FULL) or
+one all-to-all (SHARDED) per unit and state name, never the whole model's state at once. Ranks
+agree on each unit's state names first (a rank whose shard holds no element of a parameter keeps
+no state for it), so every rank issues the same collectives.
+"""
+
+import contextlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from . import _collectives as comm
+from ._flat_param import FlatParamHandle
+from ._state_dict import _contiguous_stride, _dim0_chunk, _effective_type, _mesh_of, get_state_dict_type, state_dict_type
+from ._traversal import clean_fqn, unit_paths
+from .api import FullOptimStateDictConfig, StateDictType
+
+if TYPE_CHECKING:
+    from .fully_sharded_data_parallel import FullyShardedDataParallel as Unit
+
+State = Dict[str, Any]
+
+
+@dataclass
+class _UnitEntry:
+    """One unit's parameters as the optimizer holds them: the flat parameter at ``positions[0]``
+    (use_orig_params=False), or each original parameter at its own position (None: not in the
+    optimizer)."""
+
+    unit: "Unit"
+    handle: FlatParamHandle
+    fqns: List[str]  # clean names from the model root, flat order
+    positions: List[Optional[int]]
+
+
+class OptimizerParams:
+    """Which optimizer parameter (by position over all param groups, as ``optim.state_dict()``
+    numbers them) is which original parameter of the model."""
+
+    def __init__(self, model: nn.Module, params: List[nn.Parameter]) -> None:
+        position = {id(p): i for i, p in enumerate(params)}
+        self.count = len(params)
+        self.units: List[_UnitEntry] = []
+        self.fqns_at: Dict[int, List[str]] = {}
+        covered = set()
+        for unit, path in unit_paths(model).items():
+            handle = unit._handle
+            if handle is None:
+                continue
+            dot = f"{path}." if path else ""
+            fqns = [dot + clean_fqn(fqn) for fqn, _ in handle.slot_fqns()[: len(handle.shapes)]]
+            members = [handle.flat_param] if not handle.use_orig_params else handle.orig_params()
+            positions = [position.get(id(p)) for p in members]
+            covered.update(id(p) for p in members)
+            if all(p is None for p in positions):
+                continue
+            self.units.append(_UnitEntry(unit, handle, fqns, positions))
+            if handle.use_orig_params:
+                self.fqns_at.update((pos, [fqn]) for pos, fqn in zip(positions, fqns) if pos is not None)
+            else:
+                self.fqns_at[positions[0]] = fqns
+        self.plain: List[Tuple[int, str]] = []  # parameters outside every unit (ignored ones, a plain root's)
+        for name, param in model.named_parameters():
+            if id(param) in position and id(param) not in covered:
+                self.plain.append((position[id(param)], clean_fqn(name)))
+                self.fqns_at[position[id(param)]] = [clean_fqn(name)]
+        missing = [i for i in range(self.count) if i not in self.fqns_at]
+        if missing:
+            raise ValueError(
+                f"fsdp1: the optimizer holds {len(missing)} parameter(s) that are not in this model (first at "
+                f"position {missing[0]}); build the optimizer from model.parameters() of the wrapped model."
+            )
+
+
+# ---------------------------------------------------------------------------------------- saving
+def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: Optional[State] = None) -> State:
+    """The optimizer's state by clean parameter name in the model's state-dict type. Collective.
+    For a fresh optimizer the result is still complete (``fresh_state_template``), a template for
+    ``torch.distributed.checkpoint.load``, and the optimizer is left untouched."""
+    settings = get_state_dict_type(model)
+    if optim_state_dict is None:
+        optim_state_dict = fresh_state_template(optim)
+    if settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
+        return optim_state_dict
+    config = settings.optim_state_dict_config
+    sharded = settings.state_dict_type is StateDictType.SHARDED_STATE_DICT
+    keep = sharded or not getattr(config, "rank0_only", False) or comm.global_rank() == 0
+    params = OptimizerParams(model, _params_of(optim))
+    saved = optim_state_dict["state"]
+    state: Dict[str, State] = {}
+    for entry in params.units:
+        _unit_state_out(entry, saved, sharded, config.offload_to_cpu, keep, state)
+    for position, fqn in params.plain:
+        if position in saved:
+            state[fqn] = dict(saved[position])
+    if not keep:
+        return {}
+    groups = [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": [f for i in group["params"] for f in params.fqns_at[i]]}
+        for group in optim_state_dict["param_groups"]
+    ]
+    return {"state": state, "param_groups": groups}
+
+
+def _unit_state_out(entry: _UnitEntry, saved: Dict[int, State], sharded: bool, offload: bool, keep: bool,
+                    out: Dict[str, State]) -> None:
+    handle = entry.handle
+    sharded = sharded and _effective_type(entry.unit) is StateDictType.SHARDED_STATE_DICT  # NO_SHARD: full, as its parameters
+    tensors, scalars, stateful = _agreed_state(entry, saved)
+    for name, dtype in tensors.items():
+        flat = _shard_laid_out(entry, saved, name, dtype)
+        if sharded:
+            mesh = _mesh_of(entry.unit)
+            values = [
+                DTensor.from_local(rows.cpu() if offload else rows, mesh, [Shard(0)], run_check=False, shape=shape,
+                                   stride=_contiguous_stride(shape))
+                for rows, shape in zip(handle.rows_of(flat), handle.shapes)
+            ]
+        else:
+            gathered = handle.full_values_of(flat)  # every rank takes part; only those that keep copy out
+            values = [value.to("cpu", copy=True) if offload else value.clone() for value in gathered] if keep else []
+        if keep:
+            for index, fqn in enumerate(entry.fqns):
+                if index in stateful or not handle.use_orig_params:
+                    out.setdefault(fqn, {})[name] = values[index]
+    if keep:
+        for index, fqn in enumerate(entry.fqns):
+            for name, value in scalars.get(index if handle.use_orig_params else 0, {}).items():
+                out.setdefault(fqn, {})[name] = _copied(value)  # a step per name: optimizers add to it in place
+
+
+def _agreed_state(entry: _UnitEntry, saved: Dict[int, State]) -> Tuple[Dict[str, torch.dtype], Dict[int, State], set]:
+    """The unit's tensor state names (with dtypes), its scalar states per parameter (per index of
+    the flat order; index 0 for the flat parameter) and the indices that have any state, as the
+    union over the ranks."""
+    tensors: Dict[str, torch.dtype] = {}
+    scalars: Dict[int, State] = {}
+    stateful = set()
+    for index, position in enumerate(entry.positions):
+        for name, value in saved.get(position, {}).items() if position is not None else ():
+            stateful.add(index)
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                tensors[name] = value.dtype
+            else:
+                scalars.setdefault(index, {})[name] = value.clone() if isinstance(value, torch.Tensor) else value
+    if entry.unit.world_size > 1:
+        gathered = comm.all_gather_object((tensors, scalars, stateful), entry.unit.process_group)
+        for other_tensors, other_scalars, other_stateful in gathered:
+            tensors.update(other_tensors)
+            stateful |= other_stateful
+            for index, values in other_scalars.items():
+                scalars.setdefault(index, values)
+    return dict(sorted(tensors.items())), scalars, stateful
+
+
+def _shard_laid_out(entry: _UnitEntry, saved: Dict[int, State], name: str, dtype: torch.dtype) -> torch.Tensor:
+    """State ``name`` of the unit as one tensor laid out as the local shard (zeros where no
+    parameter of this rank has it)."""
+    handle = entry.handle
+    if not handle.use_orig_params:
+        value = saved.get(entry.positions[0], {}).get(name)
+        if value is not None:
+            return value
+        return torch.zeros(handle.shard_numel, dtype=dtype, device=handle.flat_param.device)
+    flat = torch.zeros(handle.shard_numel, dtype=dtype, device=handle.flat_param.device)
+    for info, position in zip(handle.shard_infos, entry.positions):
+        value = saved.get(position, {}).get(name) if position is not None else None
+        if value is not None and info.in_shard:
+            flat[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard] = value.reshape(-1)
+    return flat
+
+
+def fresh_state_template(optim: torch.optim.Optimizer) -> State:
+    """``optim.state_dict()``, complete even for an optimizer that has not stepped: its state is made
+    as torch's DCP helpers make it (a step on zero gradients at learning rate 0, which changes no
+    parameter), copied with every ``step`` at 0 (what a first step starts from), and then the
+    optimizer is put back as it was, so that asking for a template changes no later step."""
+    params = _params_of(optim)
+    if optim.state or any(p.grad is not None for p in params):
+        return optim.state_dict()
+    for param in params:
+        if param.requires_grad:
+            param.grad = torch.zeros_like(param)
+    rates = [group.get("lr") for group in optim.param_groups]
+    for group in optim.param_groups:
+        if "lr" in group:
+            group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
+    try:
+        optim.step()
+    finally:
+        for group, rate in zip(optim.param_groups, rates):
+            if rate is not None:
+                group["lr"] = rate
+        optim.zero_grad(set_to_none=True)
+    template = optim.state_dict()
+    template["state"] = {
+        position: {n: torch.zeros_like(v) if n == "step" and isinstance(v, torch.Tensor) else _copied(v) for n, v in state.items()}
+        for position, state in template["state"].items()
+    }
+    optim.state.clear()
+    return template
+
+
+# ---------------------------------------------------------------------------------------- loading
+def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: Optional[State],
+                             load_directly: bool = False) -> State:
+    """The inverse: what ``optim.load_state_dict`` takes, from a dict by clean names in the model's
+    state-dict type. FULL needs no communication, or with ``rank0_only`` only rank 0 holds the dict
+    and scatters each unit's state (one shard per rank); SHARDED moves rows back with one all-to-all
+    per unit and state name. No rank ever holds a whole unit's state beyond what it was given."""
+    settings = get_state_dict_type(model)
+    kind = settings.state_dict_type
+    if kind is StateDictType.LOCAL_STATE_DICT:
+        result = optim_state_dict
+    else:
+        from_rank0 = kind is StateDictType.FULL_STATE_DICT and getattr(settings.optim_state_dict_config, "rank0_only", False)
+        mode = "sharded" if kind is StateDictType.SHARDED_STATE_DICT else "rank0" if from_rank0 else "full"
+        result = _to_load(model, optim, optim_state_dict or {}, mode)
+    if load_directly:
+        optim.load_state_dict(result)
+    return result
+
+
+def _to_load(model: nn.Module, optim: torch.optim.Optimizer, given: State, mode: str) -> State:
+    params = OptimizerParams(model, _params_of(optim))
+    by_name = given.get("state", {})
+    if mode == "rank0":  # what is not per unit comes from rank 0 as objects (hyper-parameters, plain parameters)
+        plain = {fqn: by_name[fqn] for _, fqn in params.plain if fqn in by_name}
+        shared = comm.broadcast_object_from_first({"param_groups": given.get("param_groups"), "plain": plain}, comm.default_group())
+        given = {"state": {**by_name, **shared["plain"]}, "param_groups": shared["param_groups"]}
+        by_name = given["state"]
+    groups = given.get("param_groups")
+    if "state" not in given or groups is None or len(groups) != len(optim.param_groups):
+        raise ValueError(
+            f"fsdp1: the optimizer state dict has {len(groups or [])} param group(s) and "
+            f"{'a' if 'state' in given else 'no'} 'state' entry; this optimizer has {len(optim.param_groups)} "
+            "group(s). Pass what FullyShardedDataParallel.optim_state_dict(model, optim) returned for this model."
+        )
+    state: Dict[int, State] = {}
+    for entry in params.units:
+        _unit_state_in(entry, by_name, mode, state)
+    for position, fqn in params.plain:
+        if fqn in by_name:
+            state[position] = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in by_name[fqn].items()}
+    start, loaded_groups = 0, []
+    for group, current in zip(groups, optim.param_groups):
+        expected = [f for p in range(start, start + len(current["params"])) for f in params.fqns_at[p]]
+        if sorted(group["params"]) != sorted(expected):  # by name: another wrapping may order them otherwise
+            raise ValueError(
+                f"fsdp1: param group {len(loaded_groups)} of the optimizer state dict holds {_few(group['params'])}, "
+                f"this optimizer's holds {_few(expected)}; build the optimizer with the same groups as the saved one."
+            )
+        loaded_groups.append({**{k: v for k, v in group.items() if k != "params"},
+                              "params": list(range(start, start + len(current["params"])))})
+        start += len(current["params"])
+    return {"state": state, "param_groups": loaded_groups}
+
+
+class _TensorState:
+    """Stands for a tensor state in what rank 0 describes to the others (``rank0`` loads)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+
+
+def _unit_state_in(entry: _UnitEntry, by_name: Dict[str, State], mode: str, out: Dict[int, State]) -> None:
+    handle = entry.handle
+    present = [by_name.get(fqn, {}) for fqn in entry.fqns]
+    if mode == "rank0":  # rank 0 describes the unit's state to every rank (values stay on rank 0)
+        described = [{n: _TensorState(v.dtype) if _is_tensor_state(v) else v for n, v in s.items()} for s in present]
+        described = comm.broadcast_object_from_first(described, comm.default_group())
+        present = present if comm.global_rank() == 0 else described
+    else:
+        _check_shapes(entry, present)
+    if mode == "sharded" and _effective_type(entry.unit) is StateDictType.FULL_STATE_DICT:
+        mode = "full"  # a NO_SHARD unit saved full tensors, as its parameters
+    names = sorted({n for s in present for n, v in s.items() if _is_tensor_state(v) or isinstance(v, _TensorState)})
+    shapes = [p.shape for p in handle.orig_params()] if handle.use_orig_params else []
+    if handle.use_orig_params and mode == "full":  # each parameter's slice straight from its full value
+        for info, position, state, shape in zip(handle.shard_infos, entry.positions, present, shapes):
+            if position is not None and state and info.in_shard:
+                end = info.intra_param_start + info.numel_in_shard
+                out[position] = {n: v.detach().reshape(-1)[info.intra_param_start : end].reshape(shape).clone()
+                                 if n in names else _copied(v) for n, v in state.items()}
+        return
+    like = handle.flat_param.detach()
+    flats = {}
+    for name in names:
+        values = [s.get(name) for s in present]
+        template = like.new_empty(0, dtype=next(v for v in values if v is not None).dtype)
+        if mode == "sharded":
+            rows = [None if v is None else _dim0_chunk(entry.unit, handle, i, v) for i, v in enumerate(values)]
+            flats[name] = handle.shard_of_rows(rows, template)
+        elif mode == "full":
+            flats[name] = handle.shard_of_full_values(values, template)
+        else:
+            flats[name] = _scattered(entry, values, template)
+    if not handle.use_orig_params:
+        scalars = next((s for s in present if s), {})
+        out[entry.positions[0]] = {**_scalars_of(scalars), **flats}
+        return
+    for index, (info, position, shape) in enumerate(zip(handle.shard_infos, entry.positions, shapes)):
+        if position is None or not present[index] or not info.in_shard:
+            continue
+        pieces = {n: flats[n][info.offset_in_shard : info.offset_in_shard + info.numel_in_shard].reshape(shape).clone()
+                  for n in names if n in present[index]}
+        out[position] = {**_scalars_of(present[index]), **pieces}
+
+
+def _check_shapes(entry: _UnitEntry, present: List[State]) -> None:
+    """A tensor state must have its parameter's shape (of the whole parameter: FULL and SHARDED
+    alike describe the unsharded one)."""
+    for fqn, state, shape in zip(entry.fqns, present, entry.handle.shapes):
+        for name, value in state.items():
+            if _is_tensor_state(value) and tuple(value.shape) != tuple(shape):
+                raise ValueError(
+                    f"fsdp1: optimizer state '{name}' of '{fqn}' has shape {tuple(value.shape)}, the parameter "
+                    f"{tuple(shape)}; load the optimizer state saved with this model."
+                )
+
+
+def _scattered(entry: _UnitEntry, values: List[Any], template: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a state whose full values only global rank 0 holds: rank 0 lays out one
+    unit's state and scatters it over its shard group (a broadcast when the unit is not sharded);
+    under a hybrid strategy the other replicas then receive their shard from the first replica."""
+    handle, unit = entry.handle, entry.unit
+    full = handle.padded_full_of(values, template) if comm.global_rank() == 0 else None
+    holds_rank0 = comm.global_rank_of(unit.process_group, 0) == 0
+    if not handle.is_sharded:
+        shard = full if full is not None else template.new_empty(handle.shard_numel)
+        if holds_rank0:
+            comm.broadcast_from_first(shard, unit.process_group).wait()
+    else:
+        shard = template.new_empty(handle.shard_numel)
+        if holds_rank0:
+            comm.scatter_from_first(shard, full, unit.process_group)
+    if handle.replicate_group is not None:
+        comm.broadcast_from_first(shard, handle.replicate_group).wait()
+    return shard
+
+
+def _copied(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def _is_tensor_state(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0
+
+
+def _params_of(optim: torch.optim.Optimizer) -> List[nn.Parameter]:
+    return [p for group in optim.param_groups for p in group["params"]]
+
+
+def _scalars_of(state: State) -> State:
+    return {n: v for n, v in state.items() if not (_is_tensor_state(v) or isinstance(v, _TensorState))}
+
+
+def _few(names: List[str], shown: int = 3) -> str:
+    listed = ", ".join(f"'{n}'" for n in names[:shown])
+    return f"{len(names)} parameter(s) ({listed}{', ...' if len(names) > shown else ''})"
+
+
+# ---------------------------------------------------------------------------------------- the older API
+@contextlib.contextmanager
+def _as(model: nn.Module, kind: StateDictType, rank0_only: bool = False) -> Iterator[None]:
+    """The model's units under ``kind`` (with ``rank0_only`` for FULL) for the duration."""
+    optim_config = FullOptimStateDictConfig(rank0_only=rank0_only) if kind is StateDictType.FULL_STATE_DICT else None
+    with state_dict_type(model, kind, None, optim_config):
+        yield
+
+
+def _require_optim(optim: Optional[torch.optim.Optimizer], api: str) -> torch.optim.Optimizer:
+    if optim is None:
+        raise ValueError(
+            f"fsdp1: {api}() needs optim= (the optimizer of the wrapped model); the deprecated optim_input= is "
+            "not supported."
+        )
+    return optim
+
+
+def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, rank0_only: bool = True) -> State:
+    with _as(model, StateDictType.FULL_STATE_DICT, rank0_only):
+        return optim_state_dict(model, optim)
+
+
+def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> State:
+    with _as(model, StateDictType.SHARDED_STATE_DICT):
+        return optim_state_dict(model, optim)
+
+
+def shard_full_optim_state_dict(full: State, model: nn.Module, optim: Optional[torch.optim.Optimizer]) -> State:
+    """Every rank holds ``full`` and keeps its shard of it; no communication."""
+    with _as(model, StateDictType.FULL_STATE_DICT):
+        return optim_state_dict_to_load(model, _require_optim(optim, "shard_full_optim_state_dict"), full)
+
+
+def flatten_sharded_optim_state_dict(sharded: State, model: nn.Module, optim: torch.optim.Optimizer) -> State:
+    with _as(model, StateDictType.SHARDED_STATE_DICT):
+        return optim_state_dict_to_load(model, optim, sharded)
+
+
+def scatter_full_optim_state_dict(full: Optional[State], model: nn.Module, optim: Optional[torch.optim.Optimizer]) -> State:
+    """Rank 0 holds ``full`` (the others pass None) and sends each rank its shard, unit by unit."""
+    with _as(model, StateDictType.FULL_STATE_DICT, rank0_only=True):
+        return optim_state_dict_to_load(model, _require_optim(optim, "scatter_full_optim_state_dict"), full)
+
+
+def rekey_optim_state_dict(optim_state_dict: State, by_name: bool, model: nn.Module,
+                           optim: Optional[torch.optim.Optimizer] = None) -> State:
+    """The same state keyed by clean parameter name (``by_name``) or by position, where positions
+    count the names of ``optim``'s parameters (or ``model.parameters()``) in order, a flat parameter
+    counting once per original parameter it holds: what a model without FSDP numbers them."""
+    params = OptimizerParams(model, _params_of(optim) if optim is not None else list(model.parameters()))
+    names = [fqn for position in range(params.count) for fqn in params.fqns_at[position]]
+    index = {name: i for i, name in enumerate(names)}
+
+    def rekey(key: Any) -> Any:
+        if by_name:
+            return names[key] if isinstance(key, int) else key
+        return index[key] if isinstance(key, str) else key
+
+    def rekey_group(keys: List[Any]) -> List[Any]:  # optim.load_state_dict pairs a group's ids with its params in order
+        rekeyed = [rekey(key) for key in keys]
+        return rekeyed if by_name else sorted(rekeyed)
+
+    return {
+        "state": {rekey(key): value for key, value in optim_state_dict["state"].items()},
+        "param_groups": [{**group, "params": rekey_group(group["params"])} for group in optim_state_dict["param_groups"]],
+    }
