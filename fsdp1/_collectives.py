@@ -100,6 +100,11 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup) -> Work:
     return dist.all_reduce(tensor, group=group, async_op=True)
 
 
+def all_reduce_with(tensor: torch.Tensor, group: ProcessGroup, maximum: bool) -> Work:
+    """Sum (or, with ``maximum``, take the largest of) ``tensor`` over the ranks in place."""
+    return dist.all_reduce(tensor, op=dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM, group=group, async_op=True)
+
+
 def broadcast_from_first(tensor: torch.Tensor, group: ProcessGroup) -> Work:
     """Overwrite ``tensor`` on every rank with the group's first rank's."""
     return dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group, async_op=True)

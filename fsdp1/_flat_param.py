@@ -719,6 +719,11 @@ class FlatParamHandle(ShardConversions):
         self._grad_before_backward = self._grad_this_backward = None
 
     @property
+    def optim_grad(self) -> Optional[torch.Tensor]:
+        """The sharded gradient the optimizer steps with (None if there is none)."""
+        return None if self._grad_is_unreduced else self._optim_grad
+
+    @property
     def _optim_grad(self) -> Optional[torch.Tensor]:
         """The optimizer's sharded gradient, over the gradient span: the flat parameter's ``.grad``
         (where ``zero_grad`` of a flat-parameter optimizer acts) when the span is the whole shard."""

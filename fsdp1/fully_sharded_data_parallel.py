@@ -14,7 +14,7 @@ from torch import nn
 from torch.autograd.profiler import record_function
 
 from . import _collectives as comm
-from . import _init, _optim_state_dict, _runtime, _state_dict
+from . import _clip_grad, _init, _optim_state_dict, _runtime, _state_dict
 from ._device import materialization_device, resolve_compute_device
 from ._flat_param import FlatParameter, FlatParamHandle, ParamSlot
 from ._init import SHARDED_STRATEGIES
@@ -321,6 +321,24 @@ class FullyShardedDataParallel(nn.Module):
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> List["FullyShardedDataParallel"]:
         """Every FSDP unit in ``module``'s tree, ``module`` included; only the outermost with ``root_only``."""
         return fsdp_units(module, root_only)  # type: ignore[return-value]
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: Union[float, int], norm_type: Union[float, int] = 2.0) -> torch.Tensor:
+        """Scale every gradient so that their total ``norm_type``-norm, over all ranks and units, is at
+        most ``max_norm``, as DDP plus ``torch.nn.utils.clip_grad_norm_`` would; returns the norm
+        before scaling. Call it on the root, after backward, before the optimizer step."""
+        _runtime.lazy_init(self)
+        if not self._is_root:
+            raise RuntimeError(
+                f"fsdp1: clip_grad_norm_() was called on the inner FSDP unit '{self._root_state.path_of(self)}'; "
+                "call it on the root (the model you run forward on), which sees every unit's gradients."
+            )
+        if any(unit.training_state is not TrainingState.IDLE for unit in self._root_state.units):
+            raise RuntimeError("fsdp1: clip_grad_norm_() was called during forward or backward; call it after backward().")
+        for unit in self._root_state.units:
+            if unit._handle is not None:
+                unit._handle.write_back_orig_grads()  # a zero_grad() on the original parameters counts
+        return _clip_grad.clip_grad_norm_(self, max_norm, norm_type)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -41,7 +41,34 @@ class GPTSize:
 
 
 def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    if isinstance(model, _Clipped):
+        return _ClippingAdamW(model.parameters(), model.clip, lr=1e-3, foreach=True)
     return torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+
+
+class _Clipped(nn.Module):
+    """A wrapped model whose optimizer clips the gradient norm to 1.0 before each step, with the
+    wrapper's own ``clip_grad_norm_`` (the step the ``*_clip`` variants measure)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def clip(self) -> None:
+        self.model.clip_grad_norm_(1.0)
+
+    def forward(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+
+class _ClippingAdamW(torch.optim.AdamW):
+    def __init__(self, params, clip: Callable[[], None], **kwargs) -> None:
+        super().__init__(params, **kwargs)
+        self._clip = clip
+
+    def step(self, closure=None):
+        self._clip()
+        return super().step(closure)
 
 
 def _fsdp1(strategy: str, use_orig_params: bool, model: nn.Module, device: torch.device) -> nn.Module:
@@ -126,6 +153,8 @@ VARIANTS: Dict[str, Wrapper] = {
     "fsdp1_hybrid": _fsdp1_hybrid,
     "torch_fsdp1_frozen_orig": partial(_frozen_attention, partial(_torch_fsdp1, "FULL_SHARD", True)),
     "fsdp1_frozen_orig": partial(_frozen_attention, partial(_fsdp1, "FULL_SHARD", True)),
+    "torch_fsdp1_full_clip": lambda model, device: _Clipped(_torch_fsdp1("FULL_SHARD", False, model, device)),
+    "fsdp1_full_clip": lambda model, device: _Clipped(_fsdp1("FULL_SHARD", False, model, device)),
     "torch_fsdp2": _torch_fsdp2,
 }
 """Every variant the benchmark measures; ``local`` is the model alone (the compute floor) and
@@ -134,5 +163,6 @@ VARIANTS: Dict[str, Wrapper] = {
 ANCHOR = {"fsdp1_full": "torch_fsdp1_full", "fsdp1_full_orig": "torch_fsdp1_full_orig",
           "fsdp1_grad_op": "torch_fsdp1_grad_op", "fsdp1_no_shard": "torch_fsdp1_no_shard",
           "fsdp1_hybrid": "torch_fsdp1_hybrid", "fsdp1_frozen_orig": "torch_fsdp1_frozen_orig",
+          "fsdp1_full_clip": "torch_fsdp1_full_clip",
           "local_aa": "local"}
 """The variant each one is compared with, round by round."""

@@ -1,0 +1,72 @@
+"""Tests ``clip_grad_norm_`` of the root against DDP plus ``torch.nn.utils.clip_grad_norm_`` doing the
+same: the returned total norm (over every rank and unit, sharded, NO_SHARD and ignored parameters)
+and the parameters after clipped SGD steps, for p = 2, inf and 1.5, both use_orig_params."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fsdp1
+from _harness import run_on_ranks
+from _models import Block, batch, fsdp1_full_params, lm_loss, make_gpt, max_relative_error, plain_params
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+MAX_NORM, STEPS, TOLERANCE = 0.1, 3, 1e-5
+
+
+def _clipped_training(strategy, use_orig_params, norm_type, ignore_head):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    base = make_gpt()
+    ours_model, ddp_model = copy.deepcopy(base), copy.deepcopy(base)
+    extra = dict(ignored_modules=[ours_model.head]) if ignore_head else {}
+    ours = fsdp1.FullyShardedDataParallel(ours_model, auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({Block}),
+                                          sharding_strategy=fsdp1.ShardingStrategy[strategy],
+                                          use_orig_params=use_orig_params, **extra)
+    if ignore_head:  # DDP keeps the same parameters local
+        DDP._set_params_and_buffers_to_ignore_for_model(ddp_model, ["head.weight", "head.bias"])
+    ddp = DDP(ddp_model)
+    norms = []
+    for model, clip in ((ours, lambda: ours.clip_grad_norm_(MAX_NORM, norm_type)),
+                        (ddp, lambda: torch.nn.utils.clip_grad_norm_(ddp.parameters(), MAX_NORM, norm_type))):
+        optim = torch.optim.SGD(model.parameters(), lr=0.5)
+        model_norms = []
+        for step in range(STEPS):
+            lm_loss(model, *batch(step, rank, world)).backward()
+            model_norms.append(clip().item())
+            optim.step()
+            optim.zero_grad()
+        norms.append(model_norms)
+    ours_params = fsdp1_full_params(ours)
+    named = {n.replace("_fsdp_wrapped_module.", ""): p for n, p in ours.named_parameters()}
+    ours_params.update({n: named[n].detach() for n in ("head.weight", "head.bias") if ignore_head})
+    return norms, max_relative_error(ours_params, plain_params(ddp))
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+@pytest.mark.parametrize("norm_type", [2.0, float("inf"), 1.5])
+@pytest.mark.parametrize("strategy, ignore_head", [("FULL_SHARD", False), ("SHARD_GRAD_OP", True), ("NO_SHARD", False)])
+def test_clip_grad_norm_matches_ddp(strategy, ignore_head, norm_type, use_orig_params):
+    for (ours, ddp), error in run_on_ranks(2, _clipped_training, strategy, use_orig_params, norm_type, ignore_head):
+        if ignore_head:
+            # Ignored gradients stay local, so each rank's norm (DDP's too) differs and each rank scales
+            # its part by its own factor: only the first norm is comparable.
+            ours, ddp, error = ours[:1], ddp[:1], 0.0
+        assert all(abs(a - b) <= TOLERANCE * b for a, b in zip(ours, ddp)) and max(ddp) > MAX_NORM  # it clipped
+        assert error <= TOLERANCE
+
+
+def _on_inner_unit():
+    model = fsdp1.FullyShardedDataParallel(make_gpt(), auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({Block}))
+    lm_loss(model, *batch(0, dist.get_rank(), dist.get_world_size())).backward()
+    try:
+        model.blocks[0].clip_grad_norm_(1.0)
+    except RuntimeError as error:
+        return str(error)
+
+
+def test_clip_grad_norm_on_an_inner_unit_is_refused():
+    for message in run_on_ranks(2, _on_inner_unit):
+        assert "inner FSDP unit 'blocks.0'" in message and "root" in message
