@@ -288,8 +288,10 @@ def _hybrid_rank0_only(use_orig_params):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2))
+    from _models import Block
+
     build = lambda seed: FSDP(make_tied_gpt(seed), sharding_strategy=fsdp1.ShardingStrategy.HYBRID_SHARD, device_mesh=mesh,
-                              use_orig_params=use_orig_params, auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({__import__("_models").Block}))
+                              use_orig_params=use_orig_params, auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({Block}))
     model = build(0)
     optim = _optimizer(model, "adam")
     _steps(model, optim, 0, 2)

@@ -533,3 +533,43 @@ def _batchnorm_buffer_missing():
 def test_a_missing_batchnorm_buffer_is_refused_before_anything_loads():
     for message, unchanged in run_on_ranks(2, _batchnorm_buffer_missing):
         assert "missing key(s) 'bn.running_mean'" in message and unchanged
+
+
+# ---------------------------------------------------------------------------------------- activation checkpointing
+def _checkpointed_state_dicts(order, use_orig_params, path):
+    """torch's checkpoint wrapper around each block, applied before or after wrapping: state-dict keys
+    stay the plain model's, and FULL and SHARDED dicts load back bitwise."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing, checkpoint_wrapper
+
+    base = make_tied_gpt()
+    plain_keys = list(base.state_dict())
+    model = copy.deepcopy(base)
+    if order == "before":
+        apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda m: isinstance(m, Block))
+        model = FSDP(model, auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({Block}), use_orig_params=use_orig_params)
+    else:
+        model = wrap_fsdp1(model, use_orig_params=use_orig_params)
+        apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda m: isinstance(m, Block))
+    train(model, 1, dist.get_world_size(), dist.get_rank())
+    full = model.state_dict()
+    saved = fsdp1_full_params(model)
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        sharded_keys = list(model.state_dict())
+        dcp.save(model.state_dict(), checkpoint_id=path)
+    train(model, 1, dist.get_world_size(), dist.get_rank())
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        template = model.state_dict()
+        dcp.load(template, checkpoint_id=path)
+        model.load_state_dict(template)
+    restored = _bitwise(fsdp1_full_params(model), saved)
+    model.load_state_dict(full)
+    return list(full) == plain_keys, sharded_keys == plain_keys, restored, _bitwise(fsdp1_full_params(model), saved)
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_state_dicts_stay_clean_with_activation_checkpointing(tmp_path, order, use_orig_params):
+    for full_clean, sharded_clean, sharded_restored, full_restored in run_on_ranks(
+        2, _checkpointed_state_dicts, order, use_orig_params, str(tmp_path)
+    ):
+        assert full_clean and sharded_clean and sharded_restored and full_restored
