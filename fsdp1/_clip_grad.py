@@ -22,17 +22,12 @@ def clip_grad_norm_(root: "Unit", max_norm: float, norm_type: float) -> torch.Te
     norm_type = float(norm_type)
     sharded: List[torch.Tensor] = []
     whole: List[torch.Tensor] = []
-    managed = set()
-    for unit in root._root_state.units:
+    for unit in root._root_state.units:  # per unit, not per parameter
         handle = unit._handle
-        if handle is None:
-            continue
-        managed.add(id(handle.flat_param))
-        managed.update(id(p) for p in (handle.orig_params() if handle.use_orig_params else ()))
-        grad = handle.optim_grad
+        grad = None if handle is None else handle.optim_grad
         if grad is not None:
             (sharded if handle.is_sharded else whole).append(grad)
-    whole += [p.grad for p in root.parameters() if id(p) not in managed and p.grad is not None]
+    whole += [p.grad for p in root._root_state.params_outside_units if p.grad is not None]
     device = root.compute_device
     if not sharded and not whole:
         warnings.warn("fsdp1: clip_grad_norm_() found no gradients; it returns a norm of 0 and scales nothing.", stacklevel=3)

@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from . import _collectives as comm
 from ._flat_param import FlatParamHandle
-from ._state_dict import _contiguous_stride, _dim0_chunk, _effective_type, _mesh_of, get_state_dict_type, state_dict_type
+from ._shard_conversions import piece_in_shard
+from ._state_dict import _dim0_chunk, _effective_type, get_state_dict_type, rows_as_dtensors, state_dict_type
 from ._traversal import clean_fqn, unit_paths
 from .api import FullOptimStateDictConfig, StateDictType
 
@@ -57,7 +58,7 @@ class OptimizerParams:
             if handle is None:
                 continue
             dot = f"{path}." if path else ""
-            fqns = [dot + clean_fqn(fqn) for fqn, _ in handle.slot_fqns()[: len(handle.shapes)]]
+            fqns = [dot + clean_fqn(fqn) for fqn in handle.fqns]
             members = [handle.flat_param] if not handle.use_orig_params else handle.orig_params()
             positions = [position.get(id(p)) for p in members]
             covered.update(id(p) for p in members)
@@ -119,12 +120,7 @@ def _unit_state_out(entry: _UnitEntry, saved: Dict[int, State], sharded: bool, o
     for name, dtype in tensors.items():
         flat = _shard_laid_out(entry, saved, name, dtype)
         if sharded:
-            mesh = _mesh_of(entry.unit)
-            values = [
-                DTensor.from_local(rows.cpu() if offload else rows, mesh, [Shard(0)], run_check=False, shape=shape,
-                                   stride=_contiguous_stride(shape))
-                for rows, shape in zip(handle.rows_of(flat), handle.shapes)
-            ]
+            values = rows_as_dtensors(entry.unit, handle.rows_of(flat), offload)
         else:
             gathered = handle.full_values_of(flat)  # every rank takes part; only those that keep copy out
             values = [value.to("cpu", copy=True) if offload else value.clone() for value in gathered] if keep else []
@@ -288,9 +284,8 @@ def _unit_state_in(entry: _UnitEntry, by_name: Dict[str, State], mode: str, out:
     if handle.use_orig_params and mode == "full":  # each parameter's slice straight from its full value
         for info, position, state, shape in zip(handle.shard_infos, entry.positions, present, shapes):
             if position is not None and state and info.in_shard:
-                end = info.intra_param_start + info.numel_in_shard
-                out[position] = {n: v.detach().reshape(-1)[info.intra_param_start : end].reshape(shape).clone()
-                                 if n in names else _copied(v) for n, v in state.items()}
+                out[position] = {n: piece_in_shard(info, v).reshape(shape).clone() if n in names else _copied(v)
+                                 for n, v in state.items()}
         return
     like = handle.flat_param.detach()
     flats = {}

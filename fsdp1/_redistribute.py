@@ -14,7 +14,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from . import _collectives as comm
-from ._shard_math import dim0_chunk_range, overlap
+from ._shard_math import dim0_chunk_range, overlap, shard_span
 
 Range = Tuple[int, int]
 
@@ -24,14 +24,13 @@ class RowRedistribution:
 
     Args:
         offsets, shapes: where each parameter lies in the unpadded flat parameter, and its shape.
-        numel, padded_numel: the flat parameter's elements before and after tail padding.
+        numel: the flat parameter's elements before tail padding.
         rank, world_size, group: this rank in the group the unit shards over (0 of 1 unsharded).
     """
 
-    def __init__(self, offsets: Sequence[int], shapes: Sequence[torch.Size], numel: int, padded_numel: int,
+    def __init__(self, offsets: Sequence[int], shapes: Sequence[torch.Size], numel: int,
                  rank: int, world_size: int, group: comm.ProcessGroup) -> None:
-        self._offsets, self._shapes = offsets, shapes
-        self._numel, self._chunk = numel, padded_numel // world_size
+        self._offsets, self._shapes, self._numel = offsets, shapes, numel
         self._rank, self._world_size, self._group = rank, world_size, group
         self.own = self._flat_range(rank)
 
@@ -79,7 +78,8 @@ class RowRedistribution:
 
     def _flat_range(self, rank: int) -> Range:
         """The unpadded flat elements rank ``rank`` holds."""
-        return min(rank * self._chunk, self._numel), min((rank + 1) * self._chunk, self._numel)
+        span = shard_span(self._numel, rank, self._world_size)
+        return span.start, span.end
 
     def _rows_range(self, index: int, rank: int) -> Range:
         return dim0_chunk_range(self._offsets[index], self._shapes[index], rank, self._world_size)

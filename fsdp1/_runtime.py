@@ -143,6 +143,17 @@ class RootState:
         while self._reductions:
             self._reductions.popleft().finish()
 
+    @functools.cached_property
+    def params_outside_units(self) -> List[torch.nn.Parameter]:
+        """The root's parameters no unit flattened (ignored ones, a plain submodule's), found once."""
+        managed = set()
+        for unit in self.units:
+            if unit._handle is not None:
+                managed.add(id(unit._handle.flat_param))
+                managed.update(id(p) for p in (unit._handle.orig_params() if unit._handle.use_orig_params else ()))
+        root = next(unit for unit in self.units if unit._is_root)
+        return [p for p in root.parameters() if id(p) not in managed]
+
     def path_of(self, unit: "Unit") -> str:
         return self.unit_paths.get(unit, "?")
 

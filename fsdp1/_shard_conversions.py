@@ -14,7 +14,7 @@ from torch import nn
 
 from . import _collectives as comm
 from ._redistribute import RowRedistribution
-from ._shard_math import FlatLayout, ParamShardInfo
+from ._shard_math import FlatLayout, ParamShardInfo, ShardSpan, shard_span
 
 
 class ShardConversions:
@@ -33,6 +33,7 @@ class ShardConversions:
     _shard_infos: Tuple[ParamShardInfo, ...]
     _local_shard: torch.Tensor
     _padded_numel: int
+    _span: ShardSpan  # the unpadded flat elements this rank's shard holds
 
     @property
     def shapes(self) -> Tuple[torch.Size, ...]:
@@ -68,10 +69,8 @@ class ShardConversions:
         a gathered copy is dropped, so the next use gathers the new values."""
         with torch.no_grad():
             for info, value in zip(self._shard_infos, values):
-                if value is None or not info.in_shard:
-                    continue
-                piece = value.detach().reshape(-1)[info.intra_param_start : info.intra_param_start + info.numel_in_shard]
-                self._local_shard[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard].copy_(piece)
+                if value is not None and info.in_shard:
+                    self._local_shard[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard].copy_(piece_in_shard(info, value))
         self.reshard()
 
     def dim0_chunks(self) -> List[torch.Tensor]:
@@ -118,8 +117,7 @@ class ShardConversions:
         shard = like.new_zeros(self._local_shard.shape)
         for info, value in zip(self._shard_infos, values):
             if value is not None and info.in_shard:
-                piece = value.detach().reshape(-1)[info.intra_param_start : info.intra_param_start + info.numel_in_shard]
-                shard[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard] = piece
+                shard[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard] = piece_in_shard(info, value)
         return shard
 
     def padded_full_of(self, values: Sequence[Optional[torch.Tensor]], like: torch.Tensor) -> torch.Tensor:
@@ -144,8 +142,12 @@ class ShardConversions:
 
     def local_flat_shard(self) -> torch.Tensor:
         """This rank's part of the unpadded flat parameter (a view of the shard; no copy)."""
-        start, end = self._row_redistribution().own
-        return self._local_shard[: end - start]
+        return self._local_shard[: self._span.numel]
+
+    def rows_held(self, index: int) -> ShardSpan:
+        """The rows of parameter ``index`` this rank holds in the row layout (``dim0_chunks``)."""
+        rank, world_size = self._rank_in_row_layout()
+        return shard_span(self._shapes[index][0], rank, world_size)
 
     def load_local_flat_shard(self, local: torch.Tensor) -> None:
         """Copy ``local`` (this rank's unpadded flat part, as ``local_flat_shard`` gave it) into the shard."""
@@ -153,7 +155,14 @@ class ShardConversions:
             self._local_shard[: local.numel()].copy_(local.reshape(-1))
         self.reshard()
 
+    def _rank_in_row_layout(self) -> Tuple[int, int]:
+        """(rank, world size) the rows are split over: the group, or this rank alone when unsharded."""
+        return (self.rank, self.world_size) if self.is_sharded else (0, 1)
+
     def _row_redistribution(self) -> RowRedistribution:
-        rank, world_size = (self.rank, self.world_size) if self.is_sharded else (0, 1)
-        return RowRedistribution(self._layout.offsets, self._shapes, self._layout.numel, self._padded_numel,
-                                 rank, world_size, self.group)
+        return RowRedistribution(self._layout.offsets, self._shapes, self._layout.numel, *self._rank_in_row_layout(), self.group)
+
+
+def piece_in_shard(info: ParamShardInfo, full_value: torch.Tensor) -> torch.Tensor:
+    """The part of a parameter's full value (any shape) that lies in this rank's shard, flat."""
+    return full_value.detach().reshape(-1)[info.intra_param_start : info.intra_param_start + info.numel_in_shard]

@@ -142,14 +142,11 @@ def dim0_chunk_range(offset: int, shape: Sequence[int], rank: int, world_size: i
     """The flat elements ``[start, end)`` of a parameter laid out at ``offset`` that rank ``rank``
     holds when the parameter is split along dim 0 as DTensor's ``Shard(0)`` (and ``torch.chunk``)
     split it: ``ceil(rows / world_size)`` rows a rank, the last ranks with fewer or none."""
-    rows = shape[0]
     row_numel = 1
     for dim in shape[1:]:
         row_numel *= dim
-    rows_per_rank = chunk_numel(rows, world_size)
-    first = min(rank * rows_per_rank, rows)
-    last = min(first + rows_per_rank, rows)
-    return offset + first * row_numel, offset + last * row_numel
+    rows = shard_span(shape[0], rank, world_size)  # rows split as a flat parameter's elements are
+    return offset + rows.start * row_numel, offset + rows.end * row_numel
 
 
 def overlap(a: Tuple[int, int], b: Tuple[int, int]) -> Tuple[int, int]:

@@ -213,12 +213,18 @@ def _full_values(handle: FlatParamHandle, keep: bool, offload_to_cpu: bool) -> O
 
 def _sharded_values(unit: "Unit", handle: FlatParamHandle, offload_to_cpu: bool) -> List[DTensor]:
     """One DTensor per parameter, split along dim 0 over the unit's shard group (torch's layout)."""
+    return rows_as_dtensors(unit, handle.dim0_chunks(), offload_to_cpu)
+
+
+def rows_as_dtensors(unit: "Unit", rows: List[torch.Tensor], offload_to_cpu: bool) -> List[DTensor]:
+    """Each parameter's rows of this rank (``handle.dim0_chunks()`` or ``rows_of`` a state) as the
+    DTensor of the whole parameter, ``Shard(0)`` over the unit's shard group."""
     mesh = _mesh_of(unit)
-    values = []
-    for chunk, shape in zip(handle.dim0_chunks(), handle.shapes):
-        local = chunk.cpu() if offload_to_cpu else chunk
-        values.append(DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape, stride=_contiguous_stride(shape)))
-    return values
+    return [
+        DTensor.from_local(chunk.cpu() if offload_to_cpu else chunk, mesh, [Shard(0)], run_check=False, shape=shape,
+                           stride=_contiguous_stride(shape))
+        for chunk, shape in zip(rows, unit._handle.shapes)
+    ]
 
 
 def _local_dtensor(unit: "Unit", handle: FlatParamHandle, offload_to_cpu: bool) -> DTensor:
@@ -317,10 +323,10 @@ def _dim0_chunk(unit: "Unit", handle: FlatParamHandle, index: int, value: Any) -
     """This rank's dim-0 rows of ``value``: the local part of a DTensor or ShardedTensor laid out as
     this unit saves (the usual case: a template from ``state_dict()`` filled by DCP), else cut from
     the full value (a plain tensor, or any other layout gathered first)."""
-    rank, world = (unit.rank, unit.world_size) if handle.is_sharded else (0, 1)
     shape = handle.shapes[index]
-    rows_per_rank = -(-shape[0] // world)
-    first, last = min(rank * rows_per_rank, shape[0]), min((rank + 1) * rows_per_rank, shape[0])
+    rows = handle.rows_held(index)
+    first, last = rows.start, rows.end
+    world = unit.world_size if handle.is_sharded else 1
     if isinstance(value, DTensor):
         if value.placements == (Shard(0),) and value.device_mesh.size() == world and value.to_local().shape[0] == last - first:
             return value.to_local()
