@@ -3,6 +3,7 @@
 ``import fsdp1 as fsdp`` offers the FSDP1 names of ``torch.distributed.fsdp``.
 """
 
+from . import comm_hooks, sharded_grad_scaler  # noqa: F401 - fsdp1.comm_hooks, fsdp1.sharded_grad_scaler
 from ._flat_param import FlatParameter  # noqa: F401 - importable, not in __all__, as in torch
 from .api import (
     BackwardPrefetch,

@@ -1,14 +1,17 @@
 """``clip_grad_norm_`` of the root: the gradient norm over every rank and unit, then one scaling.
 
-Sharded units hold disjoint parts of each gradient, so their contributions (sums of ``|g|^p``, or
-maxima for p = inf) are summed over the shard group; gradients every rank holds whole (NO_SHARD
-units, parameters outside any unit, ignored ones) count once, from this rank, as DDP plus
-``torch.nn.utils.clip_grad_norm_`` counts them. Scaling the sharded gradient in place scales the
-original parameters' ``.grad`` too (with use_orig_params they are views of it).
+Sharded units hold disjoint parts of each gradient, so their contribution (the p-th power of their
+norm, or its maximum for p = inf) is summed over the shard group; gradients every rank holds whole
+(NO_SHARD units, parameters outside any unit, ignored ones) count once, from this rank, as DDP plus
+``torch.nn.utils.clip_grad_norm_`` counts them. The arithmetic is torch FSDP1's, term for term (a
+float32 norm per gradient tensor, in unit order, then the norm of those norms), so the result is
+bitwise torch's and clipping does not make two runs drift apart. Scaling the sharded gradient in
+place scales the original parameters' ``.grad`` too (with use_orig_params they are views of it).
 """
 
+import functools
 import warnings
-from typing import TYPE_CHECKING, List
+from typing import TYPE_CHECKING, List, Optional
 
 import torch
 
@@ -19,37 +22,57 @@ if TYPE_CHECKING:
 
 
 def clip_grad_norm_(root: "Unit", max_norm: float, norm_type: float) -> torch.Tensor:
+    state = root._root_state
+    handles = [unit._handle for unit in state.units if unit._handle is not None]
+    if not any(handle.is_sharded for handle in handles):  # every rank holds every gradient: DDP's case
+        return torch.nn.utils.clip_grad_norm_(root.parameters(), max_norm, norm_type)
     norm_type = float(norm_type)
     sharded: List[torch.Tensor] = []
     whole: List[torch.Tensor] = []
-    for unit in root._root_state.units:  # per unit, not per parameter
-        handle = unit._handle
-        grad = None if handle is None else handle.optim_grad
-        if grad is not None:
-            (sharded if handle.is_sharded else whole).append(grad)
-    whole += [p.grad for p in root._root_state.params_outside_units if p.grad is not None]
+    for handle in handles:
+        (sharded if handle.is_sharded else whole).extend(_grads_of(handle))
+    has_whole = any(not handle.is_sharded for handle in handles) or bool(state.params_outside_units)
+    whole += [p.grad for p in state.params_outside_units if p.grad is not None]
     device = root.compute_device
-    if not sharded and not whole:
-        warnings.warn("fsdp1: clip_grad_norm_() found no gradients; it returns a norm of 0 and scales nothing.", stacklevel=3)
-    sharded_part = _partial(sharded, norm_type, device)
-    if root.world_size > 1:
-        comm.all_reduce_with(sharded_part, root.process_group, maximum=norm_type == float("inf")).wait()
-    whole_part = _partial(whole, norm_type, device)
+    sharded_norm = _norm(sharded, norm_type, device)
+    whole_norm = _norm(whole, norm_type, device) if has_whole else None
     if norm_type == float("inf"):
-        total = torch.maximum(sharded_part, whole_part)
+        # The whole part joins after the reduction: the same maximum as torch's wherever the ranks'
+        # whole gradients agree, and each rank's own, as DDP's, for ignored ones, which may not.
+        comm.all_reduce_with(sharded_norm, root.process_group, maximum=True).wait()
+        total = sharded_norm if whole_norm is None else torch.maximum(sharded_norm, whole_norm)
     else:
-        total = (sharded_part + whole_part) ** (1.0 / norm_type)
+        total = sharded_norm**norm_type
+        comm.all_reduce_with(total, root.process_group, maximum=False).wait()
+        if whole_norm is not None:
+            total += whole_norm**norm_type
+        total = total ** (1.0 / norm_type)
+    if root.cpu_offload.offload_params:
+        total = total.cpu()
     clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for grad in sharded + whole:
-        grad.mul_(clip_coef.to(grad.dtype))
-    return total
+    grads = sharded + whole
+    for grad in grads:
+        grad.mul_(clip_coef.to(grad.device, grad.dtype))  # offloaded gradients are on the CPU
+    if not grads:
+        warnings.warn(f"fsdp1: clip_grad_norm_() found no gradients on rank {root.rank}; it returns the norm in "
+                      f"{total.dtype} and scales nothing.", stacklevel=3)
+        return total
+    # Computed in float32; returned in the gradients' dtype, as torch's (bf16 with keep_low_precision_grads).
+    return total.to(functools.reduce(torch.promote_types, [grad.dtype for grad in grads]))
 
 
-def _partial(grads: List[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
-    """The maximum of ``|g|`` (p = inf), else the sum of ``|g|^p``, over ``grads``, in float32 or wider."""
+def _grads_of(handle) -> List[torch.Tensor]:
+    """The gradient tensors torch's FSDP1 takes norms of: each original parameter's with
+    use_orig_params (None where the parameter has none on this rank), else the flat one."""
+    if handle.use_orig_params:
+        return [p.grad for p in handle.orig_params() if p.grad is not None]
+    grad: Optional[torch.Tensor] = handle.optim_grad
+    return [] if grad is None else [grad]
+
+
+def _norm(grads: List[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """The ``norm_type``-norm of ``grads`` seen as one vector, in float32: the norm of their norms."""
     if not grads:
         return torch.zeros((), device=device)
     norms = torch.stack([torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32) for g in grads])
-    if norm_type == float("inf"):
-        return norms.max()
-    return (norms ** norm_type).sum()
+    return torch.linalg.vector_norm(norms, norm_type, dtype=torch.float32).to(device)

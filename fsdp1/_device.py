@@ -6,7 +6,7 @@ the compute stream. The same code therefore runs on CPU/gloo and CUDA/NCCL.
 """
 
 import dataclasses
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 from torch import nn
@@ -43,15 +43,26 @@ def materialization_device(device_id: Optional[Union[int, torch.device]]) -> tor
 
 def move_to_device(obj: Any, device: torch.device) -> Any:
     """``obj`` with every tensor inside tuples, lists, dicts and dataclasses moved to ``device``."""
+    return map_tensors(lambda t: t if t.device == device else t.to(device, non_blocking=True), obj)
+
+
+def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
+    """``obj`` with ``fn`` applied to every tensor inside tuples (named too), lists, dicts and dataclasses."""
     if isinstance(obj, torch.Tensor):
-        return obj if obj.device == device else obj.to(device, non_blocking=True)
+        return fn(obj)
     if isinstance(obj, dict):
-        return type(obj)((k, move_to_device(v, device)) for k, v in obj.items())
+        return type(obj)((k, map_tensors(fn, v)) for k, v in obj.items())
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(move_to_device(v, device) for v in obj))
+        return type(obj)(*(map_tensors(fn, v) for v in obj))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(move_to_device(v, device) for v in obj)
+        return type(obj)(map_tensors(fn, v) for v in obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changes = {f.name: move_to_device(getattr(obj, f.name), device) for f in dataclasses.fields(obj) if f.init}
+        changes = {f.name: map_tensors(fn, getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
         return dataclasses.replace(obj, **changes)
     return obj
+
+
+def wait_for_device(device: torch.device) -> None:
+    """Block until the work queued on ``device``'s current stream has run (nothing to wait for on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()

@@ -22,12 +22,13 @@ import dataclasses
 import weakref
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from . import _collectives as comm
+from ._device import wait_for_device
 from ._placeholder import ShardedParamPlaceholder
 from ._shard_conversions import ShardConversions
 from ._shard_math import (
@@ -40,6 +41,9 @@ from ._shard_math import (
     plan_flat_layout,
     shard_span,
 )
+
+if TYPE_CHECKING:
+    from ._mixed_precision import HandlePrecision
 
 FLAT_PARAM = "_flat_param"
 FLATTENED = "_fsdp_flattened"
@@ -107,17 +111,34 @@ class HandleTrainingState(Enum):
     SUMMON_FULL_PARAMS = auto()
 
 
+@dataclass(frozen=True)
+class CommHook:
+    """A hook ``register_comm_hook`` installed: ``hook(state, grad, output)`` for a sharded unit,
+    ``hook(state, grad)`` otherwise. ``casts_itself``: a low-precision hook, which reduces in its own
+    dtype and casts back, so the unit does neither."""
+
+    hook: Callable[..., object]
+    state: object
+    casts_itself: bool
+
+    def reduce(self, grad: torch.Tensor, output: Optional[torch.Tensor]) -> Optional[object]:
+        """Start (or do) the reduction; what is still in flight if the hook returned it, else None."""
+        result = self.hook(self.state, grad) if output is None else self.hook(self.state, grad, output)
+        return result if callable(getattr(result, "wait", None)) else None
+
+
 @dataclass
 class GradReduction:
     """A gradient reduce-scatter (or all-reduce) in flight for one handle."""
 
     handle: "FlatParamHandle"
-    work: "comm.Work | comm.PairwiseExchange"
+    work: "Optional[comm.Work | comm.PairwiseExchange]"  # None: a comm hook finished it already
     unsharded_grad: torch.Tensor  # kept alive until the collective has read it
     reduced: torch.Tensor
 
     def finish(self) -> None:
-        self.work.wait()
+        if self.work is not None:
+            self.work.wait()
         replicate_group = self.handle.replicate_group
         if replicate_group is not None:
             comm.all_reduce(self.reduced, replicate_group).wait()
@@ -131,6 +152,11 @@ class FlatParamHandle(ShardConversions):
     that ``module.parameters()`` and the optimizer see it. ``group`` is the group the unit shards
     over; ``replicate_group`` (hybrid strategies) holds the ranks with the same shard, over which the
     reduced gradient is then all-reduced.
+
+    ``precision`` says which dtype the unit gathers and computes in, reduces its gradient in and
+    hands the optimizer; only the gathered copy and the gradient in flight are in low precision.
+    With ``offload_params`` the shard and its gradient live on the CPU, where the optimizer steps
+    them, and each gather copies the shard to the compute device first (a no-op when that is the CPU).
 
     ``materialize_in_place`` is given for a unit whose parameters are still on the meta device: the
     handle gives them storage inside the unsharded flat buffer on ``device`` and calls it with the
@@ -146,6 +172,8 @@ class FlatParamHandle(ShardConversions):
         replicate_group: Optional[comm.ProcessGroup],
         is_sharded: bool,
         use_orig_params: bool,
+        precision: "HandlePrecision",
+        offload_params: bool = False,
         materialize_in_place: Optional[Callable[[Sequence[ParamSlot]], None]] = None,
         device: Optional[torch.device] = None,
     ) -> None:
@@ -155,6 +183,7 @@ class FlatParamHandle(ShardConversions):
         self.world_size = comm.group_size(group)
         self.is_sharded = is_sharded
         self.use_orig_params = use_orig_params
+        self.precision = precision
         self._owner = owner
         if use_orig_params:  # frozen parameters last, so that the trainable ones' gradient is contiguous
             slots = sorted(slots, key=lambda slot: not slot.param.requires_grad)
@@ -163,9 +192,8 @@ class FlatParamHandle(ShardConversions):
         replicas = comm.group_size(replicate_group) if replicate_group is not None else 1
         self._pre_divide, self._post_divide = gradient_divide_factors(self.world_size * replicas)
 
-        first = self._slots[0].param
         self._shapes = tuple(slot.param.shape for slot in self._slots)
-        aligned_numel = ALIGNMENT_BYTES // first.element_size() if use_orig_params else 0
+        aligned_numel = ALIGNMENT_BYTES // precision.param_dtype.itemsize if use_orig_params else 0
         self._layout = plan_flat_layout([s.param.numel() for s in self._slots], aligned_numel, self.world_size)
         shard_world = self.world_size if is_sharded else 1
         self._padded_numel = padded_unsharded_numel(self._layout.numel, shard_world)
@@ -182,21 +210,29 @@ class FlatParamHandle(ShardConversions):
         for slot in self._all_slots():
             self._managed_params.setdefault(id(slot.param), (weakref.ref(slot.param), slot.fqn))
         chunk = self._padded_numel // shard_world
+        self.compute_device = unsharded.device
+        self._offloaded = offload_params and self.compute_device.type not in ("cpu", "meta")
         if is_sharded:
             self._local_shard = unsharded[self.rank * chunk : (self.rank + 1) * chunk].clone()
         else:
             self._local_shard = unsharded
+        if self._offloaded:
+            self._local_shard = _to_host(self._local_shard)
         requires_grad = any(slot.param.requires_grad for slot in self._slots)
         self.flat_param = FlatParameter(self._local_shard, requires_grad=requires_grad)
         self._set_flat_param_metadata(chunk)
-        self._unsharded_buffer = unsharded
+        # The buffers a gather fills: the full-precision one (for a handle that is not sharded, the
+        # shard itself) and, with a low param_dtype, the one forward and backward compute on.
+        self._full_precision_buffer = unsharded
+        self._low_precision_buffer = self._make_low_precision_buffer()
+        self._unsharded_buffer = unsharded  # the one the current gather filled
         self._path = ""  # the unit's clean path from its root, for error messages
         self._placeholders = self._make_placeholders()
         for slot in self._slots:
             setattr(slot.param, FLATTENED, True)
         self._install_initial_views()
         self.state = HandleState.UNSHARDED
-        if is_sharded:
+        if self._needs_unshard:
             self._free_unsharded()
         self.training_state = HandleTrainingState.IDLE
         self._gather_work: "Optional[comm.Work | comm.PairwiseExchange]" = None
@@ -208,6 +244,7 @@ class FlatParamHandle(ShardConversions):
         self._span_grad: Optional[torch.Tensor] = None  # the optimizer's gradient when the span is partial
         self._orig_grad_views: List[Optional[torch.Tensor]] = []
         self._forward_views: List[torch.Tensor] = []  # the last forward's, tied to autograd
+        self._comm_hook: Optional["CommHook"] = None  # register_comm_hook's, replacing the reduction below
 
     # ----------------------------------------------------------------------------- construction
     def _flatten(self) -> torch.Tensor:
@@ -255,6 +292,28 @@ class FlatParamHandle(ShardConversions):
         flat._padded_unsharded_size = torch.Size([self._padded_numel])
         flat._sharded_size = torch.Size([chunk])
         flat._shard_numel_padded = self._span.numel_padded
+
+    def _make_low_precision_buffer(self) -> Optional[torch.Tensor]:
+        """The buffer forward and backward compute on when param_dtype is lower than the shard's dtype
+        (storage allocated at each gather, freed at each reshard)."""
+        if not self.precision.gathers_low_precision:
+            return None
+        buffer = torch.empty(self._padded_numel, dtype=self.precision.param_dtype, device=self.compute_device)
+        _free_storage(buffer)
+        return buffer
+
+    @property
+    def _needs_unshard(self) -> bool:
+        """Whether computing needs a buffer apart from the shard: a sharded handle gathers one; one
+        that is not sharded copies its parameters into one to compute in low precision, or on the
+        compute device when they are offloaded."""
+        return self._full_precision_buffer is not self._local_shard or self._low_precision_buffer is not None
+
+    @property
+    def forces_full_precision(self) -> bool:
+        """Evaluation in full precision (``FSDP_USE_FULL_PREC_IN_EVAL=1`` and the module in eval mode):
+        the unit gathers and reduces in its own dtype, as torch's."""
+        return self.precision.is_mixed and self.precision.full_precision_in_eval and not self._owner.training
 
     def _make_placeholders(self) -> List[torch.Tensor]:
         prefix = f"{self._path}." if self._path else ""
@@ -316,22 +375,45 @@ class FlatParamHandle(ShardConversions):
         return fqn if ref is not None and ref() is param else None
 
     # ----------------------------------------------------------------------------- unshard / reshard
-    def unshard(self) -> None:
-        """Start the all-gather of the full parameter (no-op if unsharded or already started)."""
+    def unshard(self, full_precision: Optional[bool] = None) -> None:
+        """Start the all-gather of the full parameter (no-op if already unsharded, or started, in the
+        precision wanted). It runs in param_dtype: the shard is cast (and, offloaded, copied to the
+        compute device) into a temporary that the collective's work keeps alive until it has read
+        it, and no longer. ``full_precision`` (summon_full_params, state dicts; by default evaluation
+        under ``FSDP_USE_FULL_PREC_IN_EVAL``) gathers the shard's own dtype instead."""
+        if full_precision is None:
+            full_precision = self.forces_full_precision
+        target = self._full_precision_buffer
+        if self._low_precision_buffer is not None and not full_precision:
+            target = self._low_precision_buffer
         if self.state is not HandleState.SHARDED:
+            if self._unsharded_buffer is target:
+                return
+            self.reshard()
+        self._unsharded_buffer = target
+        if target is self._local_shard:  # not sharded, full precision: the shard is the parameter
+            self.state = HandleState.UNSHARDED
             return
-        _alloc_storage(self._unsharded_buffer, self._padded_numel)
-        self._gather_work = comm.all_gather_into(self._unsharded_buffer, self._local_shard, self.group)
+        _alloc_storage(target, self._padded_numel)
+        if not self.is_sharded:
+            target.copy_(self._local_shard, non_blocking=True)
+            self.state = HandleState.UNSHARDED
+            return
+        source = self._local_shard.to(device=target.device, dtype=target.dtype, non_blocking=True)
+        self._gather_work = comm.all_gather_into(target, source, self.group)
         self.state = HandleState.UNSHARDING
 
     def wait_unshard(self) -> None:
         """Finish the all-gather and point the flat parameter at the unsharded buffer."""
         if self.state is HandleState.UNSHARDING:
-            self._gather_work.wait()
-            self._gather_work = None
+            self._finish_gather()
             self.state = HandleState.UNSHARDED
-        if self.is_sharded:
+        if self._unsharded_buffer is not self._local_shard:
             self.flat_param.data = self._unsharded_buffer
+
+    def _finish_gather(self) -> None:
+        self._gather_work.wait()
+        self._gather_work = None
 
     def use_unsharded_views(self) -> Optional[torch.autograd.graph.Node]:
         """Give the module views of the unsharded flat parameter, made under the caller's grad mode so
@@ -414,7 +496,7 @@ class FlatParamHandle(ShardConversions):
         updates the shard. Without it the forward's views stay: their storage is alive."""
         if self.use_orig_params:
             self.use_resting_views()
-        if self.is_sharded:
+        if self._unsharded_buffer is not self._local_shard:
             self.flat_param.data = self._local_shard
 
     def reshard(self) -> None:
@@ -424,19 +506,20 @@ class FlatParamHandle(ShardConversions):
         if self.state is HandleState.SHARDED:
             return
         if self.state is HandleState.UNSHARDING:
-            self._gather_work.wait()
-            self._gather_work = None
-        if not self.is_sharded:
+            self._finish_gather()
+        if not self._needs_unshard:
             self.use_resting_views()
             return
         self.flat_param.data = self._local_shard
         self._free_unsharded()
 
     def _free_unsharded(self) -> None:
-        _free_storage(self._unsharded_buffer)
+        if self._unsharded_buffer is not self._local_shard:
+            _free_storage(self._unsharded_buffer)
+        self._unsharded_buffer = self._full_precision_buffer
         self.state = HandleState.SHARDED
-        if self.use_orig_params:
-            self.use_resting_views()
+        if self.use_orig_params or not self.is_sharded:
+            self.use_resting_views()  # not sharded: views of the shard, which is the whole parameter
         else:
             self._install(self._placeholders, as_parameters=False)
 
@@ -474,7 +557,7 @@ class FlatParamHandle(ShardConversions):
         buffer outside autograd until exit; the module is not touched. A buffer kept gathered for a
         backward is gathered afresh: an optimizer step may have changed the shard since."""
         self.reshard()
-        self.unshard()
+        self.unshard(full_precision=True)
         self.wait_unshard()
         try:
             yield self._unflatten(self._unsharded_buffer.detach())
@@ -495,7 +578,7 @@ class FlatParamHandle(ShardConversions):
         the full averaged gradient (None where no rank has one).
         """
         self.reshard()
-        self.unshard()
+        self.unshard(full_precision=True)
         self.wait_unshard()
         try:
             views = self._unflatten(self._unsharded_buffer.detach())
@@ -533,11 +616,11 @@ class FlatParamHandle(ShardConversions):
             )
         self.write_back_orig_grads()  # a zero_grad() on the original parameters since the last step counts
         grad = self._optim_grad
-        flag = torch.tensor([0.0 if grad is None else 1.0], device=self._local_shard.device)
+        flag = torch.tensor([0.0 if grad is None else 1.0], device=self.compute_device)
         comm.all_reduce(flag, self.group).wait()
         if flag.item() == 0.0:
             return None
-        shard = self._local_shard.new_zeros(self._local_shard.shape)
+        shard = self._local_shard.new_zeros(self._local_shard.shape, device=self.compute_device)
         if grad is not None:
             lo, hi = self._grad_span
             shard[lo:hi] = grad
@@ -605,14 +688,17 @@ class FlatParamHandle(ShardConversions):
         """After a dtype or device conversion of the (sharded) flat parameter: the local shard, the
         unsharded buffer, the views and the gradient views follow it."""
         self._local_shard = self.flat_param.data
+        self.precision = self.precision.with_orig_dtype(self._local_shard.dtype)
         self._placeholders = self._make_placeholders()
         if self.use_orig_params:
             self._point_orig_params_at_shard()
-        if self.is_sharded:
-            self._unsharded_buffer = self._local_shard.new_empty(self._padded_numel)
+        self._full_precision_buffer = self._local_shard.new_empty(self._padded_numel) if self.is_sharded else self._local_shard
+        self._low_precision_buffer = self._make_low_precision_buffer()
+        self._unsharded_buffer = self._full_precision_buffer
+        if self._needs_unshard:
             self._free_unsharded()
         else:
-            self._unsharded_buffer = self._local_shard
+            self.state = HandleState.UNSHARDED
             self.use_resting_views()
         if not self._grad_is_unreduced:
             grad = self._optim_grad  # a whole-shard gradient was converted with the flat parameter
@@ -634,7 +720,8 @@ class FlatParamHandle(ShardConversions):
         if self._grad_is_unreduced:
             return
         self.write_back_orig_grads()
-        self._grad_before_backward = self._optim_grad
+        before = self._optim_grad  # in param_dtype under keep_low_precision_grads: accumulate in full
+        self._grad_before_backward = None if before is None else before.to(self.precision.orig_dtype)
         self._span_grad = self.flat_param.grad = None
 
     def write_back_orig_grads(self) -> None:
@@ -660,35 +747,53 @@ class FlatParamHandle(ShardConversions):
             self._set_grad_for_optim(None)
 
     def reduce_grad(self) -> GradReduction:
-        """Start reducing this step's unsharded gradient: mean over the ranks, this rank's shard kept.
-        Under a hybrid strategy the shard is all-reduced across the replicas when it is finished."""
+        """Start reducing this step's unsharded gradient in reduce_dtype: mean over the ranks, this
+        rank's shard kept. Under a hybrid strategy the shard is all-reduced across the replicas when
+        it is finished."""
         grad = self.flat_param.grad
         self.flat_param.grad = None
+        hook = self._comm_hook
+        casts_itself = hook is not None and hook.casts_itself
+        if grad.dtype != self.precision.reduce_dtype and not self.forces_full_precision and not casts_itself:
+            grad = grad.to(self.precision.reduce_dtype)
         self._grad_is_unreduced = False
         if grad.numel() != self._padded_numel:
             raise RuntimeError(
                 f"fsdp1 internal error: unit with {self.fqns[:3]}... got a gradient of {grad.numel()} "
                 f"elements, expected {self._padded_numel}"
             )
+        reduced = grad.new_empty(self._local_shard.shape) if self.is_sharded else grad
+        if hook is not None:
+            return GradReduction(self, hook.reduce(grad, reduced if self.is_sharded else None), grad, reduced)
         if self._pre_divide > 1:
             grad.div_(self._pre_divide)
         if self.is_sharded:
-            reduced = grad.new_empty(self._local_shard.shape)
             work = comm.reduce_scatter_into(reduced, grad, self.group)
         else:
-            reduced = grad
             work = comm.all_reduce(grad, self.group)
         return GradReduction(self, work, grad, reduced)
+
+    @property
+    def has_comm_hook(self) -> bool:
+        return self._comm_hook is not None
+
+    def set_comm_hook(self, hook: "CommHook") -> None:
+        self._comm_hook = hook
 
     def _accumulate_reduced_grad(self, reduced: torch.Tensor) -> None:
         if not self._span_is_whole_shard():  # frozen parameters keep no gradient
             lo, hi = self._grad_span
             reduced = reduced[lo:hi].clone()
-        if self._post_divide > 1:
+        if self._post_divide > 1 and self._comm_hook is None:  # a hook divides as it sees fit
             reduced.div_(self._post_divide)
+        if not (self._keep_low_precision_grads and not self.is_sharded):  # NO_SHARD keeps it as reduced, as torch's
+            reduced = reduced.to(self.precision.orig_dtype)
+        if self._offloaded:
+            reduced = _to_host(reduced)  # still in flight: prepare_gradient_for_optim waits
         if self._grad_this_backward is None:
             self._grad_this_backward = reduced
         else:
+            self._wait_for_offloaded_grads()
             self._grad_this_backward += reduced
 
     def keep_grad_unreduced(self) -> None:
@@ -701,11 +806,25 @@ class FlatParamHandle(ShardConversions):
         started, self._backward_started = self._backward_started, False
         if self._grad_is_unreduced or not started:
             return
+        self._wait_for_offloaded_grads()
         before, reduced = self._grad_before_backward, self._grad_this_backward
         self._grad_before_backward = self._grad_this_backward = None
         if before is not None and reduced is not None:
             before += reduced
-        self._set_grad_for_optim(reduced if before is None else before)
+        grad = reduced if before is None else before
+        if grad is not None and self._keep_low_precision_grads and self.is_sharded:
+            grad = grad.to(self.precision.param_dtype)  # not sharded: left in reduce_dtype, as torch's
+        self._set_grad_for_optim(grad)
+
+    def _wait_for_offloaded_grads(self) -> None:
+        """Copies of reduced gradients to the CPU run asynchronously on the compute device's stream;
+        wait for them before the CPU reads one (after the first wait the stream is idle)."""
+        if self._offloaded and self._grad_this_backward is not None:
+            wait_for_device(self.compute_device)
+
+    @property
+    def _keep_low_precision_grads(self) -> bool:
+        return self.precision.keep_low_precision_grads and not self.forces_full_precision
 
     def abandon_backward(self) -> None:
         """Undo what an aborted forward or backward left: pending all-gather finished, this backward's
@@ -737,7 +856,11 @@ class FlatParamHandle(ShardConversions):
         when it covers the whole shard, and with use_orig_params as views on the original parameters
         (``None`` for frozen ones and for those with no element in this rank's shard, as torch's)."""
         lo, _ = self._grad_span
-        self.flat_param.grad, self._span_grad = (grad, None) if self._span_is_whole_shard() else (None, grad)
+        if self._span_is_whole_shard():
+            _assign_grad(self.flat_param, grad)
+            self._span_grad = None
+        else:
+            self.flat_param.grad, self._span_grad = None, grad
         if not self.use_orig_params:
             return
         if grad is None:
@@ -750,7 +873,26 @@ class FlatParamHandle(ShardConversions):
             for info, shape, requires_grad in zip(self._shard_infos, self._shapes, self._requires_grad)
         ]
         for slot, view in zip(self._slots, self._orig_grad_views):
-            slot.param.grad = view
+            _assign_grad(slot.param, view)
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of ``tensor``, in pinned memory so that the copy is asynchronous; the caller waits
+    (``wait_for_device``) before reading it."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=torch.cuda.is_available())
+    host.copy_(tensor, non_blocking=True)
+    return host
+
+
+def _assign_grad(param: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
+    """``param.grad = grad``, also for a gradient kept in lower precision than the parameter
+    (keep_low_precision_grads), which autograd's setter refuses: it gets a stand-in of the right
+    dtype and shape (no storage of that size), whose data is then swapped, as torch's does."""
+    if grad is None or grad.dtype == param.dtype:
+        param.grad = grad
+        return
+    param.grad = torch.empty(1, dtype=param.dtype, device=param.device).expand(param.shape)
+    param.grad.data = grad
 
 
 def _split_shared(slots: Sequence[ParamSlot]) -> Tuple[Tuple[ParamSlot, ...], Tuple[Tuple[ParamSlot, int], ...]]:

@@ -15,28 +15,15 @@ from torch import nn
 
 from . import _collectives as comm
 from ._flat_param import FLATTENED, FlatParameter, ParamSlot
+from ._mixed_precision import plan_full_precision_modules
 from ._traversal import clean_fqn, is_fsdp_unit, iter_outermost_units, iter_param_slots, iter_unit_submodules, unit_paths
-from .api import CPUOffload, ShardingStrategy, coerce_enum
-from .wrap import AutoWrapPolicy, apply_wrap, plan_auto_wrap
+from .api import ShardingStrategy, coerce_enum
+from .wrap import AutoWrapPolicy, apply_wrap, children_first, plan_auto_wrap
 
 HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 SHARDED_STRATEGIES = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP) + HYBRID_STRATEGIES
 # Strategies that free the unsharded parameters after forward; the others keep them for backward.
 RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
-
-
-def reject_unsupported(**arguments: Any) -> None:
-    """Constructor arguments torch accepts whose features fsdp1 does not have yet: refuse them loudly
-    rather than train differently from what the script asked for."""
-    for name, value in arguments.items():
-        if name == "cpu_offload":
-            if value is not None and getattr(value, "offload_params", False):
-                raise NotImplementedError(
-                    "fsdp1: cpu_offload=CPUOffload(offload_params=True) is not supported yet; "
-                    "remove the argument to keep parameters on the compute device."
-                )
-        elif value is not None:
-            raise NotImplementedError(f"fsdp1: {name}= is not supported yet; remove the argument (its default is None).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,10 +119,6 @@ def resolve_sharding_strategy(strategy: ShardingStrategy, groups: ProcessGroups)
     return strategy
 
 
-def resolve_cpu_offload(cpu_offload: Optional[CPUOffload]) -> CPUOffload:
-    return CPUOffload(offload_params=False) if cpu_offload is None else cpu_offload
-
-
 class IgnoredStates:
     """What the user keeps out of FSDP (``ignored_modules`` with everything below them, or
     ``ignored_states``), plus what nested units ignore, as torch's: ignored parameters stay
@@ -224,6 +207,8 @@ def auto_wrap(
                 "with auto_wrap_policy, or wrap every unit by hand without it."
             )
     planned = plan_auto_wrap(module, policy, ignored.modules, child_kwargs)
+    if plan_full_precision_modules(module, child_kwargs["mixed_precision"], ignored.modules, planned, child_kwargs):
+        planned = children_first(module, planned)
     plan = _UnitPlan(module, list(planned), ignored)
     for unit in plan.units:
         slots = plan.slots(unit)

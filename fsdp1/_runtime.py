@@ -31,6 +31,7 @@ from torch.autograd.profiler import record_function
 from ._device import move_to_device
 from ._flat_param import FlatParamHandle, GradReduction, HandleTrainingState
 from ._init import RESHARD_AFTER_FORWARD
+from ._mixed_precision import BufferPrecision, cast_floating_tensors
 from ._traversal import fsdp_units, iter_tensors, iter_unit_submodules, unit_paths
 from .api import BackwardPrefetch, ShardingStrategy
 
@@ -127,6 +128,7 @@ class RootState:
         self.unit_paths: Dict["Unit", str] = unit_paths(root)
         self.is_final_callback_queued = False
         self.order = ExecutionOrder()
+        self.buffers = BufferPrecision(self.units)
         self._reductions: Deque[GradReduction] = deque()
 
     def queue_final_callback(self) -> None:
@@ -190,6 +192,15 @@ def lazy_init(unit: "Unit") -> None:
     for member in state.units:
         member._is_root = member is unit
         member._root_state = state
+    state.buffers.use(full_precision=False)  # cast once, as torch's: full-precision evaluation sees them rounded
+
+
+def _computes_in_full_precision(unit: "Unit") -> bool:
+    """Evaluation in full precision under ``FSDP_USE_FULL_PREC_IN_EVAL=1``: decided by the unit's
+    handle, or for a unit without parameters by any unit below it (as torch's)."""
+    if unit._handle is not None:
+        return unit._handle.forces_full_precision
+    return any(u._handle.forces_full_precision for u in unit._root_state.units if u._handle is not None)
 
 
 def forget_roots(module: "torch.nn.Module") -> None:
@@ -265,6 +276,8 @@ def pre_forward(
                     _start_iteration(member)
             if unit.compute_device.type != "cpu":
                 args, kwargs = move_to_device((args, kwargs), unit.compute_device)
+            state.buffers.use(full_precision=_computes_in_full_precision(unit))
+        args, kwargs = _cast_inputs(unit, args, kwargs)
         unit.training_state = TrainingState.FORWARD_BACKWARD
         handle = unit._handle
         if handle is not None:
@@ -277,6 +290,19 @@ def pre_forward(
             if gradient_node is not None:
                 gradient_node.register_prehook(partial(_before_unsharded_gradient, state, handle))
         return args, kwargs
+
+
+def _cast_inputs(unit: "Unit", args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+    """Floating-point inputs in param_dtype: the root's by default (``cast_root_forward_inputs``),
+    any unit's with ``cast_forward_inputs``; none when evaluating in full precision."""
+    precision = unit.mixed_precision
+    if precision is None or precision.param_dtype is None:
+        return args, kwargs
+    if not (precision.cast_forward_inputs or (unit._is_root and precision.cast_root_forward_inputs)):
+        return args, kwargs
+    if _computes_in_full_precision(unit):
+        return args, kwargs
+    return cast_floating_tensors(precision.param_dtype, (args, kwargs))
 
 
 def _start_iteration(unit: "Unit") -> None:
@@ -419,12 +445,12 @@ def _reduce_and_reshard(state: RootState, unit: "Unit") -> None:
     unit._awaits_reduction = False
     handle = unit._handle
     handle.training_state = HandleTrainingState.BACKWARD_POST
+    if _reshards_after_backward(unit):
+        handle.reshard()  # first: the unsharded parameters are freed before the reduction allocates
     if unit._sync_gradients:
         state.add_reduction(handle.reduce_grad())
     else:
         handle.keep_grad_unreduced()
-    if _reshards_after_backward(unit):
-        handle.reshard()
     if unit.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
         _prefetch_for_backward(state.order.next_in_backward(unit))
 

@@ -32,6 +32,7 @@ class ShardConversions:
     _layout: FlatLayout
     _shard_infos: Tuple[ParamShardInfo, ...]
     _local_shard: torch.Tensor
+    compute_device: torch.device
     _padded_numel: int
     _span: ShardSpan  # the unpadded flat elements this rank's shard holds
 
@@ -107,6 +108,7 @@ class ShardConversions:
         """Each parameter's full value of a shard-laid-out tensor (collective: an all-gather)."""
         if not self.is_sharded:
             return [view.clone() for view in self._unflatten(flat_shard)]
+        flat_shard = flat_shard.to(self.compute_device)  # an offloaded shard is gathered where the group works
         full = flat_shard.new_empty(self._padded_numel)
         comm.all_gather_into(full, flat_shard.contiguous(), self.group).wait()
         return self._unflatten(full)

@@ -25,6 +25,7 @@ from torch.nn.modules.batchnorm import _NormBase
 
 from . import _collectives as comm
 from ._flat_param import FLAT_PARAM, FLATTENED, FlatParameter, FlatParamHandle
+from ._mixed_precision import restore_buffer_dtypes
 from ._runtime import TrainingState
 from ._traversal import FSDP_PREFIX, FSDP_WRAPPED_MODULE, clean_fqn, fsdp_units, is_fsdp_unit
 from .api import (
@@ -60,11 +61,11 @@ def set_state_dict_type(
     previous settings. torch's enum members and config objects are accepted as well as fsdp1's."""
     kind = coerce_enum(state_dict_type, StateDictType, "state_dict_type")
     config_cls, optim_config_cls = STATE_DICT_CONFIG_TYPES[kind]
-    config = config_cls() if state_dict_config is None else coerce_config(state_dict_config, config_cls, "state_dict_config")
+    config = config_cls() if state_dict_config is None else coerce_config(state_dict_config, config_cls, "state_dict_config", " for this state-dict type")
     optim_config = (
         optim_config_cls()
         if optim_state_dict_config is None
-        else coerce_config(optim_state_dict_config, optim_config_cls, "optim_state_dict_config")
+        else coerce_config(optim_state_dict_config, optim_config_cls, "optim_state_dict_config", " for this state-dict type")
     )
     units = _units_of(module, "set_state_dict_type")
     previous = _settings_of(units[0])
@@ -155,6 +156,7 @@ def _post_state_dict(unit: "Unit", destination: Dict[str, Any], prefix: str, loc
     keep = not (kind is StateDictType.FULL_STATE_DICT and getattr(config, "rank0_only", False) and comm.global_rank() != 0)
     if unit._handle is not None:
         _save_params(unit, unit._handle, destination, prefix, kind, config.offload_to_cpu, keep)
+    restore_buffer_dtypes(unit, destination, prefix)
     for key in [prefix + clean_fqn(name) for name, _ in unit.named_buffers()]:
         if key not in destination:
             continue

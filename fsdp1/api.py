@@ -169,16 +169,16 @@ STATE_DICT_CONFIG_TYPES = {
 """The model and optimizer config classes each state-dict type takes."""
 
 
-def coerce_config(config: object, config_cls: Type[ConfigT], argument: str) -> ConfigT:
+def coerce_config(config: object, config_cls: Type[ConfigT], argument: str, purpose: str = "") -> ConfigT:
     """``config`` as an instance of ``config_cls``: ours as it is, torch's class of the same name
     (a dataclass with the same fields) converted field by field. Any other class is an error that
-    names what the argument needs."""
+    names what the argument needs (and ``purpose``, what it is needed for)."""
     if type(config) is config_cls:
         return config  # type: ignore[return-value]
     if dataclasses.is_dataclass(config) and type(config).__name__ == config_cls.__name__:
         names = [field.name for field in dataclasses.fields(config_cls)]  # type: ignore[arg-type]
         return config_cls(**{name: getattr(config, name) for name in names if hasattr(config, name)})
     raise RuntimeError(
-        f"fsdp1: expected {argument} of type {config_cls.__name__} for this state-dict type, but got "
+        f"fsdp1: expected {argument} of type {config_cls.__name__}{purpose}, but got "
         f"{type(config).__name__}; pass {config_cls.__name__}(...) (fsdp1's or torch's)."
     )

@@ -14,12 +14,13 @@ from torch import nn
 from torch.autograd.profiler import record_function
 
 from . import _collectives as comm
-from . import _clip_grad, _init, _optim_state_dict, _runtime, _state_dict
+from . import _clip_grad, _init, _optim_state_dict, _runtime, _state_dict, comm_hooks
 from ._device import materialization_device, resolve_compute_device
-from ._flat_param import FlatParameter, FlatParamHandle, ParamSlot
-from ._init import SHARDED_STRATEGIES
+from ._flat_param import CommHook, FlatParameter, FlatParamHandle, ParamSlot
+from ._init import HYBRID_STRATEGIES, SHARDED_STRATEGIES
+from ._mixed_precision import HandlePrecision, checked_precision
 from ._runtime import TrainingState
-from ._traversal import FSDP_WRAPPED_MODULE, fsdp_units, unit_paths
+from ._traversal import FSDP_WRAPPED_MODULE, clean_fqn, fsdp_units, unit_paths
 from ._unshard import summon_full_params
 from .api import (
     BackwardPrefetch,
@@ -31,6 +32,7 @@ from .api import (
     ShardingStrategy,
     StateDictConfig,
     StateDictType,
+    coerce_config,
     coerce_enum,
 )
 from .wrap import AutoWrapPolicy
@@ -79,7 +81,8 @@ class FullyShardedDataParallel(nn.Module):
     ) -> None:
         super().__init__()
         # Refuse what is not built yet, and check everything, before touching the module.
-        _init.reject_unsupported(cpu_offload=cpu_offload, mixed_precision=mixed_precision)
+        if mixed_precision is not None:
+            mixed_precision = checked_precision(coerce_config(mixed_precision, MixedPrecision, "mixed_precision"))
         _init.check_param_init_fn(param_init_fn)
         strategy = _init.coerce_sharding_strategy(sharding_strategy)
         groups = _init.resolve_process_groups(process_group, device_mesh, strategy)
@@ -88,7 +91,7 @@ class FullyShardedDataParallel(nn.Module):
         self.world_size = comm.group_size(self.process_group)
         self.sharding_strategy = _init.resolve_sharding_strategy(strategy, groups)
         self._ignored = _init.resolve_ignored_states(module, ignored_modules, ignored_states)
-        self.cpu_offload = _init.resolve_cpu_offload(cpu_offload)
+        self.cpu_offload = CPUOffload() if cpu_offload is None else coerce_config(cpu_offload, CPUOffload, "cpu_offload")
         self.mixed_precision = mixed_precision
         self.backward_prefetch = (
             None if backward_prefetch is None else coerce_enum(backward_prefetch, BackwardPrefetch, "backward_prefetch")
@@ -104,6 +107,7 @@ class FullyShardedDataParallel(nn.Module):
                 process_group=process_group,
                 sharding_strategy=sharding_strategy,
                 cpu_offload=cpu_offload,
+                mixed_precision=mixed_precision,
                 backward_prefetch=backward_prefetch,
                 device_id=device_id,
                 forward_prefetch=forward_prefetch,
@@ -143,6 +147,7 @@ class FullyShardedDataParallel(nn.Module):
             is_sharded = self.sharding_strategy in SHARDED_STRATEGIES and self.world_size > 1
             self._handle = FlatParamHandle(
                 slots, module, groups.shard, groups.replicate, is_sharded, use_orig_params,
+                HandlePrecision.of(mixed_precision, slots[0].param.dtype), self.cpu_offload.offload_params,
                 materialize_in_place=initialize if meta_init.is_in_place else None, device=self.compute_device,
             )
         elif meta_init.is_in_place:
@@ -162,6 +167,7 @@ class FullyShardedDataParallel(nn.Module):
         self._awaits_reduction = False  # a nested backward accumulated a partial gradient
         self._has_post_backward_hook = False
         self._submodule_forward: Optional[nn.Module] = None  # a submodule called from outside, running
+        self._buffer_orig_dtypes: Dict[str, torch.dtype] = {}  # clean name -> dtype, of buffers cast by buffer_dtype
         _runtime.register_post_backward_hook(self)
         _runtime.register_forward_hooks(self)
 
@@ -225,6 +231,21 @@ class FullyShardedDataParallel(nn.Module):
         self._handle.adopt_converted_flat_param()
         self.compute_device = self._handle.flat_param.device
         return result
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[Tuple[str, nn.Parameter]]:
+        """``nn.Module.named_parameters``; inside ``summon_full_params`` under the unwrapped model's
+        names (as torch's), so that ``{n: p.clone() for n, p in model.named_parameters()}`` there is
+        a plain state dict."""
+        return self._clean_while_summoned(super().named_parameters(*args, **kwargs))
+
+    def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[Tuple[str, torch.Tensor]]:
+        """``nn.Module.named_buffers``; clean names inside ``summon_full_params``, as ``named_parameters``."""
+        return self._clean_while_summoned(super().named_buffers(*args, **kwargs))
+
+    def _clean_while_summoned(self, named: Iterator[Tuple[str, Any]]) -> Iterator[Tuple[str, Any]]:
+        if self.training_state is not TrainingState.SUMMON_FULL_PARAMS:
+            return named
+        return ((clean_fqn(name), value) for name, value in named)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
         """``nn.Module.state_dict`` in the form ``state_dict_type`` set (FULL by default), under the
@@ -339,6 +360,33 @@ class FullyShardedDataParallel(nn.Module):
             if unit._handle is not None:
                 unit._handle.write_back_orig_grads()  # a zero_grad() on the original parameters counts
         return _clip_grad.clip_grad_norm_(self, max_norm, norm_type)
+
+    def register_comm_hook(self, state: object, hook: Callable[..., object]) -> None:
+        """Reduce every unit's gradient with ``hook`` instead of fsdp1's own reduction, with torch's
+        contract: ``hook(state, grad, output)`` for sharded units, ``hook(state, grad)`` for the
+        others (``fsdp1.comm_hooks`` has the default and compressing hooks). Call it once, on the
+        root, before the first forward."""
+        if not callable(hook):
+            raise ValueError(f"fsdp1: register_comm_hook needs a callable hook, got {type(hook).__name__}.")
+        _runtime.lazy_init(self)
+        if not self._is_root:
+            raise AssertionError(
+                f"register_comm_hook can only be called on a root instance; '{self._root_state.path_of(self)}' "
+                "is an inner unit. Call it on the model you run forward on."
+            )
+        units = self._root_state.units
+        for unit in units:
+            if unit.sharding_strategy in HYBRID_STRATEGIES:
+                raise AssertionError(
+                    f"fsdp1: communication hooks are not supported for hybrid strategies (unit "
+                    f"'{self._root_state.path_of(unit)}' uses {unit.sharding_strategy}), as in torch's FSDP1."
+                )
+            if unit._handle is not None and unit._handle.has_comm_hook:
+                raise AssertionError("A communication hook is already registered; register one hook, once, before training.")
+        comm_hook = CommHook(hook, state, comm_hooks.is_low_precision_hook(hook))
+        for unit in units:
+            if unit._handle is not None:
+                unit._handle.set_comm_hook(comm_hook)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -174,8 +174,7 @@ def plan_auto_wrap(
     if isinstance(policy, _Policy):
         targets = policy._run_policy(root, ignored_modules, root_kwargs)
         targets.pop(root, None)
-        order = [m for m in _post_order(root) if m in targets]
-        return {m: targets[m] for m in order}
+        return children_first(root, targets)
     planned: Dict[nn.Module, Dict[str, Any]] = {}
     _plan_legacy(root, policy, ignored_modules, planned, root_kwargs, is_root=True)
     return planned
@@ -195,6 +194,11 @@ def _plan_legacy(module, policy, ignored_modules, planned, root_kwargs, is_root)
         planned[module] = copy.copy(root_kwargs)
         return nonwrapped_numel
     return wrapped_numel
+
+
+def children_first(root: nn.Module, planned: Dict[nn.Module, Dict[str, Any]]) -> Dict[nn.Module, Dict[str, Any]]:
+    """``planned`` ordered as its modules appear in a post-order walk of ``root``."""
+    return {m: planned[m] for m in _post_order(root) if m in planned}
 
 
 def _post_order(root: nn.Module) -> Tuple[nn.Module, ...]:

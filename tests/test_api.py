@@ -84,13 +84,3 @@ def test_module_wrap_policy_matches_torch_in_both_call_forms():
 def test_library_never_imports_torch_fsdp():
     code = "import sys, fsdp1; print(sorted(m for m in sys.modules if m.startswith('torch.distributed.fsdp')))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"
-
-
-def test_arguments_of_later_features_are_refused_unless_left_at_their_off_value():
-    from fsdp1._init import reject_unsupported
-
-    reject_unsupported(mixed_precision=None, cpu_offload=fsdp1.CPUOffload())
-    with pytest.raises(NotImplementedError, match="mixed_precision= is not supported yet"):
-        reject_unsupported(mixed_precision=fsdp1.MixedPrecision())
-    with pytest.raises(NotImplementedError, match=r"cpu_offload=CPUOffload\(offload_params=True\)"):
-        reject_unsupported(cpu_offload=fsdp1.CPUOffload(offload_params=True))

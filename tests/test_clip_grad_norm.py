@@ -70,3 +70,33 @@ def _on_inner_unit():
 def test_clip_grad_norm_on_an_inner_unit_is_refused():
     for message in run_on_ranks(2, _on_inner_unit):
         assert "inner FSDP unit 'blocks.0'" in message and "root" in message
+
+
+
+def _against_torch(strategy, use_orig_params, norm_type):
+    from _models import torch_fsdp_full_params, wrap_fsdp1, wrap_torch_fsdp
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    base = make_gpt()
+    models = wrap_fsdp1(copy.deepcopy(base), strategy, use_orig_params), wrap_torch_fsdp(copy.deepcopy(base), strategy, use_orig_params)
+    norms = []
+    for model in models:
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+        model_norms = []
+        for step in range(STEPS):
+            lm_loss(model, *batch(step, rank, world)).backward()
+            model_norms.append(model.clip_grad_norm_(MAX_NORM, norm_type).item())
+            optim.step()
+            optim.zero_grad()
+        norms.append(model_norms)
+    return norms, max_relative_error(fsdp1_full_params(models[0]), torch_fsdp_full_params(models[1]))
+
+
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.0, float("inf")])
+@pytest.mark.parametrize("strategy, use_orig_params", [("FULL_SHARD", False), ("FULL_SHARD", True), ("SHARD_GRAD_OP", True),
+                                                       ("NO_SHARD", False)])
+def test_clip_grad_norm_is_bitwise_torch_fsdp1s(strategy, use_orig_params, norm_type):
+    """The same norms and, after clipped Adam steps, the same parameters bit for bit: clipping with a
+    norm one rounding away from torch's would make the two runs drift apart."""
+    for (ours, theirs), error in run_on_ranks(2, _against_torch, strategy, use_orig_params, norm_type):
+        assert ours == theirs and max(theirs) > MAX_NORM and error == 0.0

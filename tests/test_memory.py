@@ -33,7 +33,7 @@ def _measure(name):
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("variant", ["full", "full_orig", "grad_op", "no_shard"])
+@pytest.mark.parametrize("variant", ["full", "full_orig", "grad_op", "no_shard", "full_bf16", "full_hook"])
 def test_peak_memory_at_most_torch_fsdp1(variant, world_size):
     with fake_process_group(world_size):
         ours, theirs = _measure(f"fsdp1_{variant}"), _measure(f"torch_fsdp1_{variant}")

@@ -38,7 +38,7 @@ import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memory_estimator import ESTIMATED, estimate, fake_process_group, measure
-from workload import ANCHOR, VARIANTS, GPTSize, make_optimizer
+from workload import ANCHOR, CPU_ANCHOR, CUDA_ONLY, VARIANTS, GPTSize, make_optimizer
 
 MIB = 2**20
 WARMUP_STEPS = 2
@@ -188,12 +188,14 @@ def _paired_ratio(samples, name, anchor, column):
 
 
 def minimum_comm_bytes(name: str, num_params: int, root_params: int, world_size: int) -> int:
-    """Fewest bytes a rank must send (= receive) per step for the variant's strategy (fp32)."""
+    """Fewest bytes a rank must send (= receive) per step for the variant's strategy (fp32; the
+    ``bf16`` variants gather 2 bytes a parameter and reduce in fp32)."""
     f = (world_size - 1) / world_size
     if name.startswith("local"):
         return 0
+    gathered = 2 if "bf16" in name else 4
     if "full" in name or name == "torch_fsdp2":  # all-gather forward and backward (not the root's), reduce-scatter
-        return int(f * 4 * (2 * num_params - root_params + num_params))
+        return int(f * (gathered * (2 * num_params - root_params) + 4 * num_params))
     return int(f * 4 * 2 * num_params)  # one all-reduce, or all-gather + reduce-scatter
 
 
@@ -224,6 +226,8 @@ def summarize(raw, size: GPTSize, world_size: int, predicted: Dict[str, Dict[str
         if "cuda_max_allocated" in raw["memory"][name]:
             row["cuda_max_allocated_mib"] = raw["memory"][name]["cuda_max_allocated"] / MIB
         anchor = ANCHOR.get(name)
+        if anchor not in raw["samples"]:
+            anchor = CPU_ANCHOR.get(name)
         if anchor in raw["samples"]:
             row["wall_vs_anchor"] = _paired_ratio(raw["samples"], name, anchor, 1)
             row["cpu_vs_anchor"] = _paired_ratio(raw["samples"], name, anchor, 2)
@@ -292,7 +296,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--world-size", type=int, help="default: 2 on CPU, every GPU on CUDA")
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), help="default: every one the device runs")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--steps-per-round", type=int, default=3)
     parser.add_argument("--json", default="bench_out/benchmark.json")
@@ -302,6 +306,7 @@ def main() -> None:
     args = parser.parse_args()
     size = GPTSize(args.vocab, args.seq, args.d_model, args.layers, args.heads, args.batch)
     world_size = args.world_size or (torch.cuda.device_count() if args.device == "cuda" else 2)
+    args.variants = args.variants or [v for v in VARIANTS if args.device == "cuda" or v not in CUDA_ONLY]
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
 
     _quiet_no_shard_deprecation()

@@ -71,19 +71,41 @@ class _ClippingAdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
-def _fsdp1(strategy: str, use_orig_params: bool, model: nn.Module, device: torch.device) -> nn.Module:
-    return fsdp1.FullyShardedDataParallel(
+BF16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+"""The mixed precision of the ``*_bf16`` variants: bf16 gathers and compute, fp32 reduction
+(../shared/spec/performance.md's GPU configuration)."""
+
+
+def _fsdp1(strategy: str, use_orig_params: bool, model: nn.Module, device: torch.device, **options) -> nn.Module:
+    """fsdp1 with one unit per block; ``options``: mixed_precision / cpu_offload as keyword dicts,
+    ``comm_hook`` to register fsdp1's default reduce-scatter hook."""
+    hook = options.pop("comm_hook", False)
+    wrapped = fsdp1.FullyShardedDataParallel(
         model, sharding_strategy=fsdp1.ShardingStrategy[strategy], auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({Block}),
-        use_orig_params=use_orig_params, device_id=device)
+        use_orig_params=use_orig_params, device_id=device,
+        mixed_precision=fsdp1.MixedPrecision(**options["mixed_precision"]) if "mixed_precision" in options else None,
+        cpu_offload=fsdp1.CPUOffload(**options["cpu_offload"]) if "cpu_offload" in options else None)
+    if hook:
+        wrapped.register_comm_hook(fsdp1.comm_hooks.DefaultState(torch.distributed.group.WORLD),
+                                   fsdp1.comm_hooks.reduce_scatter_hook)
+    return wrapped
 
 
-def _torch_fsdp1(strategy: str, use_orig_params: bool, model: nn.Module, device: torch.device) -> nn.Module:
-    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+def _torch_fsdp1(strategy: str, use_orig_params: bool, model: nn.Module, device: torch.device, **options) -> nn.Module:
+    """torch's FSDP1 wrapped as ``_fsdp1`` wraps, with the same options (torch's hook for ``comm_hook``)."""
+    from torch.distributed.algorithms._comm_hooks import default_hooks
+    from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel, MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    return FullyShardedDataParallel(
+    hook = options.pop("comm_hook", False)
+    wrapped = FullyShardedDataParallel(
         model, sharding_strategy=ShardingStrategy[strategy], auto_wrap_policy=ModuleWrapPolicy({Block}),
-        use_orig_params=use_orig_params, device_id=device)
+        use_orig_params=use_orig_params, device_id=device,
+        mixed_precision=MixedPrecision(**options["mixed_precision"]) if "mixed_precision" in options else None,
+        cpu_offload=CPUOffload(**options["cpu_offload"]) if "cpu_offload" in options else None)
+    if hook:
+        wrapped.register_comm_hook(default_hooks.DefaultState(torch.distributed.group.WORLD), default_hooks.reduce_scatter_hook)
+    return wrapped
 
 
 def _hybrid_mesh(device: torch.device):
@@ -155,6 +177,12 @@ VARIANTS: Dict[str, Wrapper] = {
     "fsdp1_frozen_orig": partial(_frozen_attention, partial(_fsdp1, "FULL_SHARD", True)),
     "torch_fsdp1_full_clip": lambda model, device: _Clipped(_torch_fsdp1("FULL_SHARD", False, model, device)),
     "fsdp1_full_clip": lambda model, device: _Clipped(_fsdp1("FULL_SHARD", False, model, device)),
+    "torch_fsdp1_full_bf16": partial(_torch_fsdp1, "FULL_SHARD", False, mixed_precision=BF16),
+    "fsdp1_full_bf16": partial(_fsdp1, "FULL_SHARD", False, mixed_precision=BF16),
+    "torch_fsdp1_full_offload": partial(_torch_fsdp1, "FULL_SHARD", False, cpu_offload=dict(offload_params=True)),
+    "fsdp1_full_offload": partial(_fsdp1, "FULL_SHARD", False, cpu_offload=dict(offload_params=True)),
+    "torch_fsdp1_full_hook": partial(_torch_fsdp1, "FULL_SHARD", False, comm_hook=True),
+    "fsdp1_full_hook": partial(_fsdp1, "FULL_SHARD", False, comm_hook=True),
     "torch_fsdp2": _torch_fsdp2,
 }
 """Every variant the benchmark measures; ``local`` is the model alone (the compute floor) and
@@ -163,6 +191,15 @@ VARIANTS: Dict[str, Wrapper] = {
 ANCHOR = {"fsdp1_full": "torch_fsdp1_full", "fsdp1_full_orig": "torch_fsdp1_full_orig",
           "fsdp1_grad_op": "torch_fsdp1_grad_op", "fsdp1_no_shard": "torch_fsdp1_no_shard",
           "fsdp1_hybrid": "torch_fsdp1_hybrid", "fsdp1_frozen_orig": "torch_fsdp1_frozen_orig",
-          "fsdp1_full_clip": "torch_fsdp1_full_clip",
+          "fsdp1_full_clip": "torch_fsdp1_full_clip", "fsdp1_full_bf16": "torch_fsdp1_full_bf16",
+          "fsdp1_full_offload": "torch_fsdp1_full_offload", "fsdp1_full_hook": "torch_fsdp1_full_hook",
           "local_aa": "local"}
 """The variant each one is compared with, round by round."""
+
+CUDA_ONLY = {"torch_fsdp1_full_offload"}
+"""Variants that cannot run on a CPU-only machine: torch's CPUOffload pins memory, which needs an
+accelerator."""
+
+CPU_ANCHOR = {"fsdp1_full_offload": "torch_fsdp1_full"}
+"""The anchor on CPU where the usual one is CUDA-only: there the parameters already live on the CPU,
+so offloading does the work of the plain variant."""
