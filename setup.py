@@ -14,8 +14,9 @@ setup(
     install_requires=["torch>=2.4"],
     extras_require={
         # numpy: torch's object collectives import it in CPU builds (DESIGN.md §6.5). transformers: real
-        # model families, built from small configs in memory (pinned: the version the tests were run with).
-        "test": ["pytest>=7", "expecttest>=0.2", "numpy", "transformers==5.23.0"],
+        # model families, built from small configs in memory; accelerate: its own checkpoint functions
+        # run against fsdp1 (pinned: the versions the tests were run with).
+        "test": ["pytest>=7", "expecttest>=0.2", "numpy", "transformers==5.23.0", "accelerate==1.15.0"],
         "examples": ["tqdm", "matplotlib", "safetensors"],
     },
 )

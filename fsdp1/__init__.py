@@ -21,6 +21,7 @@ from .api import (
     StateDictSettings,
     StateDictType,
 )
+from ._torch_alias import use_as_torch_fsdp  # noqa: F401 - fsdp1's own, so not in torch's __all__
 from .fully_sharded_data_parallel import FullyShardedDataParallel, OptimStateKeyType
 
 __version__ = "0.1.0"

@@ -24,7 +24,7 @@ FSDP2_NAMES = {
 def test_every_fsdp1_name_of_torch_is_exported():
     expected = sorted(set(torch_fsdp.__all__) - FSDP2_NAMES)
     assert sorted(fsdp1.__all__) == expected
-    assert hasattr(fsdp1, "FlatParameter")
+    assert hasattr(fsdp1, "FlatParameter") and hasattr(fsdp1, "use_as_torch_fsdp")
 
 
 def _normalised_default(value):

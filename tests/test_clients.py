@@ -1,0 +1,82 @@
+"""Tests ``fsdp1.use_as_torch_fsdp`` with the clients that reach for torch's class by name, running
+their own code (issue 13, first part): HF Accelerate's ``save_fsdp_model`` / ``load_fsdp_model`` /
+``save_fsdp_optimizer`` / ``load_fsdp_optimizer`` resume training bit for bit (FULL and SHARDED, both
+use_orig_params) and ``extract_model_from_parallel`` unwraps fsdp1's units. Accelerate only enters
+its FSDP mode on accelerators, so its functions are called directly here, with its plugin and a
+stand-in for the ``Accelerator`` (the attributes they read)."""
+
+import types
+
+import pytest
+import torch.distributed as dist
+
+import fsdp1
+from _harness import run_on_ranks
+from _models import adam, batch, lm_loss, make_gpt, wrap_fsdp1
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+
+
+def test_use_as_torch_fsdp_puts_fsdp1_at_both_import_paths_and_back():
+    import torch.distributed.fsdp as torch_fsdp
+    import torch.distributed.fsdp.fully_sharded_data_parallel as torch_fsdp_module
+
+    original = torch_fsdp.FullyShardedDataParallel
+    with fsdp1.use_as_torch_fsdp():
+        from torch.distributed.fsdp import FullyShardedDataParallel as ByPackage
+        from torch.distributed.fsdp.fully_sharded_data_parallel import FullyShardedDataParallel as ByModule
+
+        assert ByPackage is ByModule is fsdp1.FullyShardedDataParallel
+    assert torch_fsdp.FullyShardedDataParallel is torch_fsdp_module.FullyShardedDataParallel is original
+    alias = fsdp1.use_as_torch_fsdp()  # the call form stays until undone
+    assert torch_fsdp.FullyShardedDataParallel is fsdp1.FullyShardedDataParallel
+    alias.undo()
+    assert torch_fsdp.FullyShardedDataParallel is original
+
+
+def _train(model, optim, steps, rank, world):
+    losses = []
+    for step in steps:
+        loss = lm_loss(model, *batch(step, rank, world))
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _accelerate_save_and_resume(kind, use_orig_params, directory):
+    from accelerate import PartialState
+    from accelerate.utils import FullyShardedDataParallelPlugin, extract_model_from_parallel
+    from accelerate.utils.fsdp_utils import load_fsdp_model, load_fsdp_optimizer, save_fsdp_model, save_fsdp_optimizer
+    from torch.distributed.fsdp import StateDictType
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    PartialState(cpu=True)  # Accelerate's logging needs its state
+    accelerator = types.SimpleNamespace(process_index=rank, num_processes=world, is_fsdp2=False,
+                                        is_main_process=rank == 0, wait_for_everyone=dist.barrier)
+    with fsdp1.use_as_torch_fsdp():
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=1, state_dict_type=StateDictType[kind],
+                                                use_orig_params=use_orig_params)
+        model = wrap_fsdp1(make_gpt(), use_orig_params=use_orig_params)
+        optim = adam(model.parameters())
+        _train(model, optim, range(3), rank, world)
+        save_fsdp_model(plugin, accelerator, model, directory)
+        save_fsdp_optimizer(plugin, accelerator, optim, model, directory)
+        uninterrupted = _train(model, optim, range(3, 6), rank, world)
+        resumed_model = wrap_fsdp1(make_gpt(seed=7), use_orig_params=use_orig_params)
+        resumed_optim = adam(resumed_model.parameters())
+        load_fsdp_model(plugin, accelerator, resumed_model, directory)
+        load_fsdp_optimizer(plugin, accelerator, resumed_optim, resumed_model, directory)
+        resumed = _train(resumed_model, resumed_optim, range(3, 6), rank, world)
+        unwrapped = extract_model_from_parallel(model)
+    return uninterrupted, resumed, type(unwrapped).__name__
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+@pytest.mark.parametrize("kind", ["FULL_STATE_DICT", "SHARDED_STATE_DICT"])
+def test_accelerate_saves_and_resumes_bitwise(kind, use_orig_params, tmp_path):
+    pytest.importorskip("accelerate")
+    for uninterrupted, resumed, unwrapped in run_on_ranks(2, _accelerate_save_and_resume, kind, use_orig_params, str(tmp_path)):
+        assert resumed == uninterrupted
+        assert unwrapped == "TinyGPT"
