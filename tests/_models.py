@@ -112,6 +112,19 @@ def _optimize(model: nn.Module, steps: int, make_optim, batch_of_step) -> List[f
     return losses
 
 
+def train_steps(model: nn.Module, optim: torch.optim.Optimizer, first: int, count: int) -> List[float]:
+    """Steps ``first`` to ``first + count - 1`` on this rank's batches with ``optim``; the losses."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in range(first, first + count):
+        loss = lm_loss(model, *batch(step, rank, world))
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def train(model: nn.Module, steps: int, world_size: int, rank: int, make_optim=adam) -> List[float]:
     """``steps`` optimizer steps on this rank's batches; the per-step losses."""
     return _optimize(model, steps, make_optim, lambda step: batch(step, rank, world_size))

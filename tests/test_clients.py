@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import fsdp1
 from _harness import run_on_ranks
-from _models import adam, batch, lm_loss, make_gpt, wrap_fsdp1
+from _models import adam, make_gpt, train_steps, wrap_fsdp1
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
@@ -34,17 +34,6 @@ def test_use_as_torch_fsdp_puts_fsdp1_at_both_import_paths_and_back():
     assert torch_fsdp.FullyShardedDataParallel is original
 
 
-def _train(model, optim, steps, rank, world):
-    losses = []
-    for step in steps:
-        loss = lm_loss(model, *batch(step, rank, world))
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 def _accelerate_save_and_resume(kind, use_orig_params, directory):
     from accelerate import PartialState
     from accelerate.utils import FullyShardedDataParallelPlugin, extract_model_from_parallel
@@ -60,15 +49,15 @@ def _accelerate_save_and_resume(kind, use_orig_params, directory):
                                                 use_orig_params=use_orig_params)
         model = wrap_fsdp1(make_gpt(), use_orig_params=use_orig_params)
         optim = adam(model.parameters())
-        _train(model, optim, range(3), rank, world)
+        train_steps(model, optim, 0, 3)
         save_fsdp_model(plugin, accelerator, model, directory)
         save_fsdp_optimizer(plugin, accelerator, optim, model, directory)
-        uninterrupted = _train(model, optim, range(3, 6), rank, world)
+        uninterrupted = train_steps(model, optim, 3, 3)
         resumed_model = wrap_fsdp1(make_gpt(seed=7), use_orig_params=use_orig_params)
         resumed_optim = adam(resumed_model.parameters())
         load_fsdp_model(plugin, accelerator, resumed_model, directory)
         load_fsdp_optimizer(plugin, accelerator, resumed_optim, resumed_model, directory)
-        resumed = _train(resumed_model, resumed_optim, range(3, 6), rank, world)
+        resumed = train_steps(resumed_model, resumed_optim, 3, 3)
         unwrapped = extract_model_from_parallel(model)
     return uninterrupted, resumed, type(unwrapped).__name__
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from _harness import run_on_ranks
-from _models import batch, lm_loss, make_tied_gpt, wrap_fsdp1, wrap_torch_fsdp
+from _models import make_tied_gpt, train_steps, wrap_fsdp1, wrap_torch_fsdp
 from fsdp1 import FullyShardedDataParallel as FSDP
 from fsdp1 import StateDictType
 
@@ -37,29 +37,17 @@ def _optimizer(model, name):
     return OPTIMIZERS[name](groups)
 
 
-def _steps(model, optim, first, count):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    losses = []
-    for step in range(first, first + count):
-        loss = lm_loss(model, *batch(step, rank, world))
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 def _resume(kind, via_dcp, optimizer, use_orig_params, path, frozen=False):
     model = wrap_fsdp1(_maybe_frozen(make_tied_gpt(), frozen), use_orig_params=use_orig_params)
     optim = _optimizer(model, optimizer)
-    _steps(model, optim, 0, 3)
+    train_steps(model, optim, 0, 3)
     with FSDP.state_dict_type(model, StateDictType[kind]):
         model_state, optim_state = model.state_dict(), FSDP.optim_state_dict(model, optim)
         if via_dcp:
             dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
         else:
             model_state, optim_state = copy.deepcopy(model_state), copy.deepcopy(optim_state)
-    uninterrupted = _steps(model, optim, 3, 3)
+    uninterrupted = train_steps(model, optim, 3, 3)
 
     fresh = wrap_fsdp1(_maybe_frozen(make_tied_gpt(seed=5), frozen), use_orig_params=use_orig_params)
     fresh_optim = _optimizer(fresh, optimizer)
@@ -70,7 +58,7 @@ def _resume(kind, via_dcp, optimizer, use_orig_params, path, frozen=False):
             model_state, optim_state = state["model"], state["optim"]
         fresh.load_state_dict(model_state)
         fresh_optim.load_state_dict(FSDP.optim_state_dict_to_load(fresh, fresh_optim, optim_state))
-    resumed = _steps(fresh, fresh_optim, 3, 3)
+    resumed = train_steps(fresh, fresh_optim, 3, 3)
     return uninterrupted, resumed
 
 
@@ -109,10 +97,10 @@ def _full_equals_torch_and_ddp(use_orig_params):
     states = []
     for model, cls in ((ours, FSDP), (theirs, TorchFSDP)):
         optim = torch.optim.Adam(model.parameters(), lr=1e-2)
-        _steps(model, optim, 0, 2)
+        train_steps(model, optim, 0, 2)
         states.append(cls.optim_state_dict(model, optim))
     optim = torch.optim.Adam(ddp.parameters(), lr=1e-2)
-    _steps(ddp, optim, 0, 2)
+    train_steps(ddp, optim, 0, 2)
     names = {id(p): n for n, p in ddp.module.named_parameters()}
     reference = {names[id(p)]: optim.state[p] for p in optim.param_groups[0]["params"]}
     a, b = states
@@ -133,7 +121,7 @@ def test_full_optim_state_dict_equals_ddp_and_torch_fsdp1(use_orig_params):
 def _save_for_reshard(path, use_orig_params):
     model = wrap_fsdp1(make_tied_gpt(), use_orig_params=use_orig_params)
     optim = _optimizer(model, "adamw_groups")
-    _steps(model, optim, 0, 3)
+    train_steps(model, optim, 0, 3)
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
         dcp.save({"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)}, checkpoint_id=path)
     with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
@@ -173,7 +161,7 @@ def _legacy_and_rank0(use_orig_params):
     rank = dist.get_rank()
     model = wrap_fsdp1(make_tied_gpt(), use_orig_params=use_orig_params)
     optim = _optimizer(model, "adam")
-    _steps(model, optim, 0, 2)
+    train_steps(model, optim, 0, 2)
     with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
         full = FSDP.optim_state_dict(model, optim)
     legacy_full = FSDP.full_optim_state_dict(model, optim)  # rank 0 only, as torch's default
@@ -231,10 +219,10 @@ def _resume_across(kind, save_strategy, load_strategy, load_wrap, use_orig_param
 
     model = wrap_fsdp1(make_tied_gpt(), save_strategy, use_orig_params)
     optim = _optimizer(model, "adam")
-    _steps(model, optim, 0, 2)
+    train_steps(model, optim, 0, 2)
     with FSDP.state_dict_type(model, StateDictType[kind]):
         dcp.save({"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)}, checkpoint_id=path)
-    uninterrupted = _steps(model, optim, 2, 2)
+    uninterrupted = train_steps(model, optim, 2, 2)
     fresh = wrap_fsdp1(make_tied_gpt(seed=5), load_strategy, use_orig_params, wrap_classes=(Block,) if load_wrap else ())
     fresh_optim = _optimizer(fresh, "adam")
     with FSDP.state_dict_type(fresh, StateDictType[kind]):
@@ -242,7 +230,7 @@ def _resume_across(kind, save_strategy, load_strategy, load_wrap, use_orig_param
         dcp.load(state, checkpoint_id=path)
         fresh.load_state_dict(state["model"])
         FSDP.optim_state_dict_to_load(fresh, fresh_optim, state["optim"], load_directly=True)
-    return uninterrupted, _steps(fresh, fresh_optim, 2, 2)
+    return uninterrupted, train_steps(fresh, fresh_optim, 2, 2)
 
 
 @pytest.mark.parametrize("use_orig_params", [False, True])
@@ -269,7 +257,7 @@ def _fresh_template_and_steps(use_orig_params):
     optim, twin_optim = _optimizer(model, "adam"), _optimizer(twin, "adam")
     template = FSDP.optim_state_dict(model, optim)
     complete = len(template["state"]) == 26 and all(float(s["step"]) == 0.0 for s in template["state"].values())
-    same = _steps(model, optim, 0, 2) == _steps(twin, twin_optim, 0, 2)
+    same = train_steps(model, optim, 0, 2) == train_steps(twin, twin_optim, 0, 2)
     full = FSDP.optim_state_dict(model, optim)
     steps = [s["step"] for s in full["state"].values()]
     own_steps = len({id(step) for step in steps}) == len(steps)
@@ -294,7 +282,7 @@ def _hybrid_rank0_only(use_orig_params):
                               use_orig_params=use_orig_params, auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({Block}))
     model = build(0)
     optim = _optimizer(model, "adam")
-    _steps(model, optim, 0, 2)
+    train_steps(model, optim, 0, 2)
     config = fsdp1.FullOptimStateDictConfig(rank0_only=True)
     with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, optim_state_dict_config=config):
         full = FSDP.optim_state_dict(model, optim)
