@@ -80,7 +80,7 @@ class FullyShardedDataParallel(nn.Module):
         _params_of_outer_units: Iterable[nn.Parameter] = (),
     ) -> None:
         super().__init__()
-        # Refuse what is not built yet, and check everything, before touching the module.
+        # Check everything before touching the module.
         if mixed_precision is not None:
             mixed_precision = checked_precision(coerce_config(mixed_precision, MixedPrecision, "mixed_precision"))
         _init.check_param_init_fn(param_init_fn)
