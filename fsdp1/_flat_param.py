@@ -684,6 +684,25 @@ class FlatParamHandle(ShardConversions):
             del self._owner._parameters[FLAT_PARAM]
             self.use_resting_views()
 
+    def adopt_replaced_flat_param(self) -> None:
+        """A client replaced ``flat_param.data`` between steps (HF Accelerate upcasts the flat
+        parameters of a model loaded in bf16 to fp32 before building its optimizer, as torch's FSDP1
+        lets it): the new tensor becomes the shard and everything derived from it follows. One
+        pointer comparison when nothing was replaced."""
+        if self.state is HandleState.SHARDED or not self._needs_unshard:
+            flat, shard = self.flat_param, self._local_shard
+            if flat.data_ptr() != shard.data_ptr() or flat.dtype != shard.dtype or flat.shape != shard.shape:
+                self.adopt_converted_flat_param()
+
+    @property
+    def _orig_param_dtype(self) -> torch.dtype:
+        """torch's name for the shard's dtype, which clients read (and set after an upcast)."""
+        return self.precision.orig_dtype
+
+    @_orig_param_dtype.setter
+    def _orig_param_dtype(self, dtype: torch.dtype) -> None:
+        self.precision = self.precision.with_orig_dtype(dtype)
+
     def adopt_converted_flat_param(self) -> None:
         """After a dtype or device conversion of the (sharded) flat parameter: the local shard, the
         unsharded buffer, the views and the gradient views follow it."""

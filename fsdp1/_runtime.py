@@ -203,6 +203,14 @@ def _computes_in_full_precision(unit: "Unit") -> bool:
     return any(u._handle.forces_full_precision for u in unit._root_state.units if u._handle is not None)
 
 
+def adopt_replaced_flat_params(module: "torch.nn.Module") -> None:
+    """Every unit in ``module`` takes a flat parameter a client replaced since (Accelerate's upcast)
+    as its shard: before a state dict or ``summon_full_params`` reads the shards, as before a forward."""
+    for unit in fsdp_units(module):
+        if unit._handle is not None:
+            unit._handle.adopt_replaced_flat_param()
+
+
 def forget_roots(module: "torch.nn.Module") -> None:
     """A new unit around units already used on their own makes them nested: decide roots afresh."""
     for member in fsdp_units(module):
@@ -308,9 +316,11 @@ def _cast_inputs(unit: "Unit", args: Tuple[Any, ...], kwargs: Dict[str, Any]) ->
 def _start_iteration(unit: "Unit") -> None:
     """A unit still gathered by a forward whose backward never came (an eval forward with grad
     enabled) may hold values an optimizer step has since changed: gather it afresh. Inside
-    ``no_sync`` SHARD_GRAD_OP keeps its gathered parameters on purpose, and no step comes between."""
+    ``no_sync`` SHARD_GRAD_OP keeps its gathered parameters on purpose, and no step comes between.
+    A flat parameter a client replaced (Accelerate's upcast) becomes the shard."""
     if unit._sync_gradients:
         unit._handle.reshard()
+    unit._handle.adopt_replaced_flat_param()
     unit._handle.write_back_orig_grads()
 
 

@@ -26,7 +26,7 @@ from torch.nn.modules.batchnorm import _NormBase
 from . import _collectives as comm
 from ._flat_param import FLAT_PARAM, FLATTENED, FlatParameter, FlatParamHandle
 from ._mixed_precision import restore_buffer_dtypes
-from ._runtime import TrainingState
+from ._runtime import TrainingState, adopt_replaced_flat_params
 from ._traversal import FSDP_PREFIX, FSDP_WRAPPED_MODULE, clean_fqn, fsdp_units, is_fsdp_unit
 from .api import (
     STATE_DICT_CONFIG_TYPES,
@@ -141,6 +141,7 @@ def saving(unit: "Unit") -> Iterator[None]:
     (use_orig_params=False) so that its key comes out in the plain model's order, and removed again
     whatever happens."""
     _check_idle(unit, "state_dict")
+    adopt_replaced_flat_params(unit)
     handle = unit._handle
     if handle is None or handle.use_orig_params or _effective_type(unit) is StateDictType.LOCAL_STATE_DICT:
         yield
@@ -257,6 +258,7 @@ def loading(unit: "Unit", strict: bool) -> Iterator[None]:
     """Around ``nn.Module.load_state_dict`` of ``unit``: its hooks learn ``strict`` (``nn.Module``
     passes them True whatever it is), so that missing and unexpected keys are refused before anything
     is written, not after."""
+    adopt_replaced_flat_params(unit)
     units = fsdp_units(unit)
     for member in units:
         member._load_is_strict = strict

@@ -11,7 +11,7 @@ from typing import Iterator, List
 from torch import nn
 
 from . import _collectives as comm
-from ._runtime import TrainingState
+from ._runtime import TrainingState, adopt_replaced_flat_params
 from ._traversal import fsdp_units, is_fsdp_unit, unit_paths
 
 
@@ -40,6 +40,7 @@ def summon_full_params(
         )
     units = fsdp_units(module) if recurse else ([module] if is_fsdp_unit(module) else [])
     _check_idle(module, units)
+    adopt_replaced_flat_params(module)
     expose = not rank0_only or comm.global_rank() == 0
     with contextlib.ExitStack() as stack:
         for unit in units:

@@ -8,11 +8,12 @@ stand-in for the ``Accelerator`` (the attributes they read)."""
 import types
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import fsdp1
 from _harness import run_on_ranks
-from _models import adam, make_gpt, train_steps, wrap_fsdp1
+from _models import Block, adam, make_gpt, train_steps, wrap_fsdp1
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
@@ -69,3 +70,36 @@ def test_accelerate_saves_and_resumes_bitwise(kind, use_orig_params, tmp_path):
     for uninterrupted, resumed, unwrapped in run_on_ranks(2, _accelerate_save_and_resume, kind, use_orig_params, str(tmp_path)):
         assert resumed == uninterrupted
         assert unwrapped == "TinyGPT"
+
+
+def _upcast_after_wrapping(use_orig_params):
+    """HF Accelerate's FSDP1 preparation of a model loaded in bf16 with bf16 mixed precision: after
+    wrapping, each unit's flat parameter is upcast in place (``Accelerator.prepare_model``; its three
+    lines are repeated here, as that path only runs on an accelerator)."""
+    mp = fsdp1.MixedPrecision(param_dtype=torch.bfloat16)
+    upcast = fsdp1.FullyShardedDataParallel(make_gpt().to(torch.bfloat16), mixed_precision=mp, use_orig_params=use_orig_params,
+                                            auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({Block}))
+    for module in fsdp1.FullyShardedDataParallel.fsdp_modules(upcast):
+        if module._has_params and module._flat_param.dtype != torch.float32:
+            module._flat_param.data = module._flat_param.data.to(torch.float32)
+            module._handle._orig_param_dtype = torch.float32
+    reference = fsdp1.FullyShardedDataParallel(make_gpt().to(torch.bfloat16).float(), mixed_precision=mp,
+                                               use_orig_params=use_orig_params,
+                                               auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({Block}))
+    results = []
+    for model in (upcast, reference):
+        optim = adam(model.parameters())
+        losses = train_steps(model, optim, 0, 3)
+        state = model.state_dict()
+        results.append((losses, {k: (v.dtype, v) for k, v in state.items()},
+                        {p.dtype for p in model.parameters()}))
+    return results
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_accelerates_upcast_of_the_flat_parameters_is_adopted(use_orig_params):
+    for (losses, state, dtypes), (their_losses, their_state, their_dtypes) in run_on_ranks(2, _upcast_after_wrapping, use_orig_params):
+        assert losses == their_losses and dtypes == their_dtypes == {torch.float32}
+        assert state.keys() == their_state.keys()
+        assert all(dtype == their_state[k][0] == torch.float32 and torch.equal(v, their_state[k][1])
+                   for k, (dtype, v) in state.items())
