@@ -298,7 +298,11 @@ class FlatParamHandle(ShardConversions):
         (storage allocated at each gather, freed at each reshard)."""
         if not self.precision.gathers_low_precision:
             return None
-        buffer = torch.empty(self._padded_numel, dtype=self.precision.param_dtype, device=self.compute_device)
+        return self._unallocated_buffer(self.precision.param_dtype)
+
+    def _unallocated_buffer(self, dtype: torch.dtype) -> torch.Tensor:
+        """An unsharded flat buffer on the compute device whose storage each gather allocates."""
+        buffer = torch.empty(self._padded_numel, dtype=dtype, device=self.compute_device)
         _free_storage(buffer)
         return buffer
 
@@ -707,11 +711,15 @@ class FlatParamHandle(ShardConversions):
         """After a dtype or device conversion of the (sharded) flat parameter: the local shard, the
         unsharded buffer, the views and the gradient views follow it."""
         self._local_shard = self.flat_param.data
+        if not self._offloaded:  # ``.to(device)`` moved the shard, and so where the unit computes
+            self.compute_device = self._local_shard.device
         self.precision = self.precision.with_orig_dtype(self._local_shard.dtype)
         self._placeholders = self._make_placeholders()
         if self.use_orig_params:
             self._point_orig_params_at_shard()
-        self._full_precision_buffer = self._local_shard.new_empty(self._padded_numel) if self.is_sharded else self._local_shard
+        self._full_precision_buffer = self._local_shard
+        if self.is_sharded or self._offloaded:
+            self._full_precision_buffer = self._unallocated_buffer(self._local_shard.dtype)
         self._low_precision_buffer = self._make_low_precision_buffer()
         self._unsharded_buffer = self._full_precision_buffer
         if self._needs_unshard:

@@ -16,7 +16,16 @@ from torch import nn
 from . import _collectives as comm
 from ._flat_param import FLATTENED, FlatParameter, ParamSlot
 from ._mixed_precision import plan_full_precision_modules
-from ._traversal import clean_fqn, is_fsdp_unit, iter_outermost_units, iter_param_slots, iter_unit_submodules, unit_paths
+from ._traversal import (
+    clean_fqn,
+    is_fsdp_unit,
+    iter_outermost_units,
+    iter_param_slots,
+    iter_unit_submodules,
+    unit_named_buffers,
+    unit_named_modules,
+    unit_paths,
+)
 from .api import ShardingStrategy, coerce_enum
 from .wrap import AutoWrapPolicy, apply_wrap, children_first, plan_auto_wrap
 
@@ -207,8 +216,8 @@ def auto_wrap(
                 "with auto_wrap_policy, or wrap every unit by hand without it."
             )
     planned = plan_auto_wrap(module, policy, ignored.modules, child_kwargs)
-    if plan_full_precision_modules(module, child_kwargs["mixed_precision"], ignored.modules, planned, child_kwargs):
-        planned = children_first(module, planned)
+    plan_full_precision_modules(module, child_kwargs["mixed_precision"], ignored.modules, planned, child_kwargs)
+    planned = children_first(module, planned)  # the modules it added where they belong
     plan = _UnitPlan(module, list(planned), ignored)
     for unit in plan.units:
         slots = plan.slots(unit)
@@ -450,7 +459,7 @@ class MetaInit:
 
     def __init__(self, module: nn.Module, param_init_fn: Optional[Callable[[nn.Module], None]], device: torch.device,
                  ignored: IgnoredStates) -> None:
-        named = _unit_named_modules(module, ignored)
+        named = unit_named_modules(module, ignored.modules)
         self._modules = [m for _, m in named]
         self._param_init_fn = param_init_fn
         self.device = device
@@ -492,10 +501,7 @@ def sync_module_states(module: nn.Module, slots: Sequence[ParamSlot], ignored: I
     error on every rank instead of hanging in a broadcast of the wrong size. Under a hybrid strategy
     the replicas then take their first replica's."""
     named = [(slot.fqn, slot.param) for slot in slots] + [
-        (clean_fqn(f"{name}.{attr}" if name else attr), buffer)
-        for name, m in _unit_named_modules(module, ignored)
-        for attr, buffer in m._buffers.items()
-        if buffer is not None
+        (fqn, buffer) for fqn, _, _, buffer in unit_named_buffers(module, ignored.modules)
     ]
     unique = list({id(tensor): (fqn, tensor) for fqn, tensor in named}.values())
     for group in (groups.shard, groups.replicate):
@@ -533,9 +539,3 @@ def move_to_compute_device(module: nn.Module, device: torch.device, ignored: Ign
             for attr, buffer in m._buffers.items():
                 if buffer is not None and buffer.device != device:
                     m._buffers[attr] = buffer.to(device)
-
-
-def _unit_named_modules(module: nn.Module, ignored: IgnoredStates) -> List[Tuple[str, nn.Module]]:
-    """``module`` and the modules of its unit with their names, breadth first (torch's order)."""
-    names = {id(m): name for name, m in module.named_modules()}
-    return [(names[id(m)], m) for m in (module, *iter_unit_submodules(module, ignored.modules))]

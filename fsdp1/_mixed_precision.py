@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ._device import map_tensors
-from ._traversal import clean_fqn, is_fsdp_unit, iter_tensors
+from ._traversal import iter_tensors, unit_named_buffers
 from .api import MixedPrecision
 
 FULL_PRECISION_IN_EVAL_ENV = "FSDP_USE_FULL_PREC_IN_EVAL"
@@ -95,14 +95,15 @@ class BufferPrecision:
 
     def __init__(self, units: Iterable[nn.Module]) -> None:
         self._entries: List[Tuple[nn.Module, str, torch.dtype, torch.dtype]] = []  # module, attr, own, compute
+        self._own_dtypes: Dict[nn.Module, Dict[str, torch.dtype]] = {}  # unit -> clean name -> dtype
         for unit in units:
             buffer_dtype = unit.mixed_precision.buffer_dtype if unit.mixed_precision is not None else None
-            unit._buffer_orig_dtypes = {}
             if buffer_dtype is None:
                 continue
-            for name, module, attr, buffer in _unit_buffers(unit):
+            own = self._own_dtypes[unit] = {}
+            for name, module, attr, buffer in unit_named_buffers(unit._fsdp_wrapped_module, unit._ignored.modules):
                 if torch.is_floating_point(buffer):
-                    unit._buffer_orig_dtypes[name] = buffer.dtype
+                    own[name] = buffer.dtype
                     self._entries.append((module, attr, buffer.dtype, buffer_dtype))
         self._in_full_precision: Optional[bool] = None
 
@@ -115,39 +116,22 @@ class BufferPrecision:
             if buffer is not None:
                 module._buffers[attr] = buffer.to(orig_dtype if full_precision else compute_dtype)
 
-
-def _unit_buffers(unit: nn.Module) -> Iterable[Tuple[str, nn.Module, str, torch.Tensor]]:
-    """The buffers a unit owns (none inside nested units or ignored modules), by clean name."""
-    ignored = unit._ignored.modules
-
-    def walk(module: nn.Module, prefix: str) -> Iterable[Tuple[str, nn.Module, str, torch.Tensor]]:
-        for attr, buffer in module._buffers.items():
-            if buffer is not None:
-                yield clean_fqn(prefix + attr), module, attr, buffer
-        for name, child in module._modules.items():
-            if child is not None and not is_fsdp_unit(child) and child not in ignored:
-                yield from walk(child, f"{prefix}{name}.")
-
-    return walk(unit._fsdp_wrapped_module, "")
-
-
-def restore_buffer_dtypes(unit: nn.Module, destination: Dict[str, Any], prefix: str) -> None:
-    """State dicts show a buffer cast for computation in its own dtype (a copy), as torch's."""
-    for name, dtype in getattr(unit, "_buffer_orig_dtypes", {}).items():
-        value = destination.get(prefix + name)
-        if isinstance(value, torch.Tensor) and value.dtype != dtype:
-            destination[prefix + name] = value.to(dtype)
+    def restore_dtypes(self, unit: nn.Module, destination: Dict[str, Any], prefix: str) -> None:
+        """A state dict shows each buffer ``unit`` cast for computation in its own dtype (a copy), as torch's."""
+        for name, dtype in self._own_dtypes.get(unit, {}).items():
+            value = destination.get(prefix + name)
+            if isinstance(value, torch.Tensor) and value.dtype != dtype:
+                destination[prefix + name] = value.to(dtype)
 
 
 def plan_full_precision_modules(root: nn.Module, mixed_precision: Optional[MixedPrecision],
                                 ignored: Iterable[nn.Module], planned: Dict[nn.Module, Dict[str, Any]],
-                                root_kwargs: Dict[str, Any]) -> bool:
+                                root_kwargs: Dict[str, Any]) -> None:
     """With mixed precision and an auto-wrap policy, every module of a class in
     ``_module_classes_to_ignore`` (``_BatchNorm`` by default) becomes its own unit without mixed
-    precision, and computes in float32 on inputs cast up, its outputs cast back (as torch's).
-    Returns whether any was added to ``planned``."""
+    precision, and computes in float32 on inputs cast up, its outputs cast back (as torch's)."""
     if mixed_precision is None:
-        return False
+        return
     classes = tuple(set(mixed_precision._module_classes_to_ignore))
     ignored = set(ignored)
     found: set = set()
@@ -165,7 +149,6 @@ def plan_full_precision_modules(root: nn.Module, mixed_precision: Optional[Mixed
             "precision disabled.",
             stacklevel=4,
         )
-    return bool(found)
 
 
 class _FullPrecisionCast:

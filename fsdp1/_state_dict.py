@@ -25,7 +25,6 @@ from torch.nn.modules.batchnorm import _NormBase
 
 from . import _collectives as comm
 from ._flat_param import FLAT_PARAM, FLATTENED, FlatParameter, FlatParamHandle
-from ._mixed_precision import restore_buffer_dtypes
 from ._runtime import TrainingState, adopt_replaced_flat_params
 from ._traversal import FSDP_PREFIX, FSDP_WRAPPED_MODULE, clean_fqn, fsdp_units, is_fsdp_unit
 from .api import (
@@ -157,7 +156,8 @@ def _post_state_dict(unit: "Unit", destination: Dict[str, Any], prefix: str, loc
     keep = not (kind is StateDictType.FULL_STATE_DICT and getattr(config, "rank0_only", False) and comm.global_rank() != 0)
     if unit._handle is not None:
         _save_params(unit, unit._handle, destination, prefix, kind, config.offload_to_cpu, keep)
-    restore_buffer_dtypes(unit, destination, prefix)
+    if unit._root_state is not None:  # buffers are cast at the root's lazy init, not before
+        unit._root_state.buffers.restore_dtypes(unit, destination, prefix)
     for key in [prefix + clean_fqn(name) for name, _ in unit.named_buffers()]:
         if key not in destination:
             continue

@@ -81,6 +81,21 @@ def iter_unit_submodules(module: nn.Module, ignored: Collection[nn.Module] = ())
                 yield child
 
 
+def unit_named_modules(module: nn.Module, ignored: Collection[nn.Module] = ()) -> List[Tuple[str, nn.Module]]:
+    """``module`` and the modules of its unit with their names from it, breadth first (torch's order)."""
+    names = {id(m): name for name, m in module.named_modules()}
+    return [(names[id(m)], m) for m in (module, *iter_unit_submodules(module, ignored))]
+
+
+def unit_named_buffers(module: nn.Module, ignored: Collection[nn.Module] = ()) -> Iterator[Tuple[str, nn.Module, str, torch.Tensor]]:
+    """The buffers of ``module``'s unit (not of nested units or ``ignored`` modules) as (clean name
+    from ``module``, owning module, attribute, buffer)."""
+    for name, owner in unit_named_modules(module, ignored):
+        for attr, buffer in owner._buffers.items():
+            if buffer is not None:
+                yield clean_fqn(f"{name}.{attr}" if name else attr), owner, attr, buffer
+
+
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     """Every tensor inside tuples, lists, sets, dicts and dataclasses (a module's output)."""
     if isinstance(obj, torch.Tensor):

@@ -167,7 +167,6 @@ class FullyShardedDataParallel(nn.Module):
         self._awaits_reduction = False  # a nested backward accumulated a partial gradient
         self._has_post_backward_hook = False
         self._submodule_forward: Optional[nn.Module] = None  # a submodule called from outside, running
-        self._buffer_orig_dtypes: Dict[str, torch.dtype] = {}  # clean name -> dtype, of buffers cast by buffer_dtype
         _runtime.register_post_backward_hook(self)
         _runtime.register_forward_hooks(self)
 
@@ -229,7 +228,7 @@ class FullyShardedDataParallel(nn.Module):
         with self._handle.flat_param_registered():
             result = super()._apply(fn, recurse)
         self._handle.adopt_converted_flat_param()
-        self.compute_device = self._handle.flat_param.device
+        self.compute_device = self._handle.compute_device  # with offloading the shard stays on the CPU
         return result
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[Tuple[str, nn.Parameter]]:
