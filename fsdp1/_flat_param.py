@@ -76,6 +76,7 @@ class FlatParameter(nn.Parameter, metaclass=_FlatParameterMeta):
     def __new__(cls, data: torch.Tensor, requires_grad: bool = True) -> nn.Parameter:  # type: ignore[misc]
         param = nn.Parameter(data, requires_grad=requires_grad)
         param._is_flat_param = True
+        setattr(param, FLATTENED, True)  # torch's marker of a flattened parameter, which Lightning reads
         return param
 
 
@@ -314,6 +315,12 @@ class FlatParamHandle(ShardConversions):
         return self._full_precision_buffer is not self._local_shard or self._low_precision_buffer is not None
 
     @property
+    def computes_on_low_precision_copy(self) -> bool:
+        """Unsharded for computing in a low-precision copy of a shard that is the whole flat parameter
+        (a unit that is not sharded, with param_dtype set)."""
+        return not self.is_sharded and self._unsharded_buffer is self._low_precision_buffer
+
+    @property
     def forces_full_precision(self) -> bool:
         """Evaluation in full precision (``FSDP_USE_FULL_PREC_IN_EVAL=1`` and the module in eval mode):
         the unit gathers and reduces in its own dtype, as torch's."""
@@ -522,10 +529,12 @@ class FlatParamHandle(ShardConversions):
             _free_storage(self._unsharded_buffer)
         self._unsharded_buffer = self._full_precision_buffer
         self.state = HandleState.SHARDED
-        if self.use_orig_params or not self.is_sharded:
-            self.use_resting_views()  # not sharded: views of the shard, which is the whole parameter
-        else:
+        if self.use_orig_params:
+            self.use_resting_views()
+        elif self.is_sharded:
             self._install(self._placeholders, as_parameters=False)
+        else:  # views of the shard, which is the whole parameter (an offloaded one's device copy is freed)
+            self._install(self._unflatten(self._local_shard.detach()), as_parameters=False)
 
     def _unflatten(self, flat: torch.Tensor) -> List[torch.Tensor]:
         return self._param_views(torch.split(flat, self._split_sizes))

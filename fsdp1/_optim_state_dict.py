@@ -88,14 +88,14 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_state
     For a fresh optimizer the result is still complete (``fresh_state_template``), a template for
     ``torch.distributed.checkpoint.load``, and the optimizer is left untouched."""
     settings = get_state_dict_type(model)
-    if optim_state_dict is None:
-        optim_state_dict = fresh_state_template(optim)
     if settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
-        return optim_state_dict
+        return fresh_state_template(optim) if optim_state_dict is None else optim_state_dict
+    params = OptimizerParams(model, _params_of(optim))
+    if optim_state_dict is None:
+        optim_state_dict = optim.state_dict() if _stepped_on_any_rank(params, optim) else fresh_state_template(optim)
     config = settings.optim_state_dict_config
     sharded = settings.state_dict_type is StateDictType.SHARDED_STATE_DICT
     keep = sharded or not getattr(config, "rank0_only", False) or comm.global_rank() == 0
-    params = OptimizerParams(model, _params_of(optim))
     saved = optim_state_dict["state"]
     state: Dict[str, State] = {}
     for entry in params.units:
@@ -173,6 +173,20 @@ def _shard_laid_out(entry: _UnitEntry, saved: Dict[int, State], name: str, dtype
         if value is not None and info.in_shard:
             flat[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard] = value.reshape(-1)
     return flat
+
+
+def _stepped_on_any_rank(params: "OptimizerParams", optim: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer has state (or gradients to make it from) on any rank of the units' group.
+    A rank whose shards hold no trainable element (use_orig_params, frozen parameters laid out there)
+    never gets state; it must then offer nothing, not a template whose ``step`` 0 would stand beside
+    the other ranks' real steps."""
+    stepped = bool(optim.state) or any(p.grad is not None for p in _params_of(optim))
+    if not params.units or params.units[0].unit.world_size == 1:
+        return stepped
+    unit = params.units[0].unit
+    flag = torch.tensor([float(stepped)], device=unit.compute_device)
+    comm.all_reduce_with(flag, unit.process_group, maximum=True).wait()
+    return bool(flag.item())
 
 
 def fresh_state_template(optim: torch.optim.Optimizer) -> State:

@@ -19,6 +19,7 @@ forward (with ``forward_prefetch``) repeats the first iteration's order.
 
 import functools
 import sys
+import weakref
 from collections import deque
 from enum import Enum, auto
 from functools import partial
@@ -211,6 +212,23 @@ def adopt_replaced_flat_params(module: "torch.nn.Module") -> None:
             unit._handle.adopt_replaced_flat_param()
 
 
+class WeakPartial:
+    """``partial(fn, *objects)`` that holds the objects weakly, for hooks kept by a tensor or an
+    autograd node: the garbage collector cannot see through those, so a hook holding its unit would
+    close an uncollectable cycle (unit -> flat parameter or its views -> hook -> unit) and a deleted
+    model would never be freed. Once an object is gone the call does nothing."""
+
+    def __init__(self, fn: Callable[..., Any], *objects: Any) -> None:
+        self._fn = fn
+        self._refs = tuple(weakref.ref(obj) for obj in objects)
+
+    def __call__(self, *args: Any) -> Any:
+        objects = [ref() for ref in self._refs]
+        if any(obj is None for obj in objects):
+            return None
+        return self._fn(*objects, *args)
+
+
 def forget_roots(module: "torch.nn.Module") -> None:
     """A new unit around units already used on their own makes them nested: decide roots afresh."""
     for member in fsdp_units(module):
@@ -223,7 +241,7 @@ def register_post_backward_hook(unit: "Unit") -> None:
     Registered at construction, or at the first forward that needs it, so that a unit frozen at wrap
     time and unfrozen later still reduces its gradient."""
     if unit._handle is not None and not unit._has_post_backward_hook and unit._handle.flat_param.requires_grad:
-        unit._handle.flat_param.register_post_accumulate_grad_hook(partial(_post_backward, unit))
+        unit._handle.flat_param.register_post_accumulate_grad_hook(WeakPartial(_post_backward, unit))
         unit._has_post_backward_hook = True
 
 
@@ -296,7 +314,7 @@ def pre_forward(
             gradient_node = handle.use_unsharded_views()
             register_post_backward_hook(unit)
             if gradient_node is not None:
-                gradient_node.register_prehook(partial(_before_unsharded_gradient, state, handle))
+                gradient_node.register_prehook(WeakPartial(_before_unsharded_gradient, state, handle))
         return args, kwargs
 
 
@@ -353,13 +371,17 @@ def _inside_backward() -> bool:
 def post_forward(unit: "Unit", module: torch.nn.Module, args: Tuple[Any, ...], output: Any) -> Any:
     """End the unit's forward. A forward without grad has no backward to come, so every unit, the root
     and SHARD_GRAD_OP ones included, reshards at once; otherwise FULL_SHARD units reshard and the root
-    stays gathered for backward. The module always sees its original parameters again."""
+    stays gathered for backward, and so does any unit that is not sharded, unless it computes on a
+    low-precision copy, which a cast remakes for backward (torch's frees it too). The module always
+    sees its original parameters again."""
     with record_function("FSDP::post_forward"):
         handle = unit._handle
         if handle is not None:
             unit._root_state.order.record_post_forward(unit)
-            if not torch.is_grad_enabled() or (
-                unit.sharding_strategy in RESHARD_AFTER_FORWARD and not unit._is_root
+            if (
+                not torch.is_grad_enabled()
+                or (unit.sharding_strategy in RESHARD_AFTER_FORWARD and not unit._is_root)
+                or handle.computes_on_low_precision_copy
             ):
                 handle.reshard()
             else:

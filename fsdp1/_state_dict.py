@@ -287,7 +287,7 @@ def _pre_load_state_dict(
             if value is None:
                 missing_keys.append(clean_prefix + FLAT_PARAM)
             else:
-                handle.load_local_flat_shard(_local_part(value))
+                handle.load_local_flat_shard(_local_part(_materialized(value)))
                 loaded.add(clean_prefix + FLAT_PARAM)
                 loaded.update(clean_prefix + clean_fqn(fqn) for fqn, _ in handle.slot_fqns())
         else:
@@ -300,7 +300,7 @@ def _pre_load_state_dict(
                     missing_keys.append(clean_prefix + name)
                     continue
                 loaded.add(clean_prefix + name)
-                values[index] = value  # of a tied parameter's names, the last one wins, as in nn.Module
+                values[index] = _materialized(value)  # of a tied parameter's names, the last one wins, as in nn.Module
             if kind is StateDictType.FULL_STATE_DICT:
                 handle.load_full_params([None if v is None else _full_value(v) for v in values])
             else:
@@ -317,6 +317,14 @@ def _post_load_state_dict(unit: "Unit", incompatible_keys: Any) -> None:
     for keys in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
         cleaned = [clean_fqn(key) for key in keys]
         keys[:] = list(dict.fromkeys(key for key in cleaned if key not in loaded))
+
+
+def _materialized(value: Any) -> Any:
+    """A tensor-like value that is no Tensor (Lightning's lazily loaded checkpoint tensors) as a
+    Tensor, made by a torch function as ``nn.Module``'s own ``copy_`` would make it."""
+    if isinstance(value, torch.Tensor) or not torch.overrides.is_tensor_like(value):
+        return value
+    return torch.detach(value)
 
 
 def _full_value(value: Any) -> torch.Tensor:
@@ -375,7 +383,7 @@ def _check_subtree(unit: "Unit", state_dict: Dict[str, Any], prefix: str, strict
     clean_prefix = clean_fqn(prefix)
     for name, shape in expected.items():
         value = given.get(name)
-        if value is None or shape is None or not isinstance(value, torch.Tensor):
+        if value is None or shape is None or not torch.overrides.is_tensor_like(value):
             continue
         if tuple(value.shape) != tuple(shape):
             return (

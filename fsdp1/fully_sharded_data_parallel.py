@@ -137,10 +137,11 @@ class FullyShardedDataParallel(nn.Module):
         if meta_init.is_in_place:
             self.compute_device = meta_init.device
         else:
-            initialize(slots)
             self.compute_device = resolve_compute_device(module, device_id, self._ignored.params)
         if device_id is not None:
             _init.move_to_compute_device(module, self.compute_device, self._ignored)
+        if not meta_init.is_in_place:
+            initialize(slots)  # on the compute device: NCCL broadcasts no CPU tensor
         self._fsdp_wrapped_module = module
         self._handle: Optional[FlatParamHandle] = None
         if slots:

@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsdp1
 from _harness import run_on_ranks
-from _models import Block, fsdp1_full_params, make_gpt, max_relative_error, relative_errors, train
+from _models import Block, adam, batch, fsdp1_full_params, lm_loss, make_gpt, max_relative_error, relative_errors, train
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
@@ -50,3 +50,42 @@ def test_offloaded_training_equals_training_in_place(strategy, use_orig_params, 
         assert offloaded == in_place and error == 0.0
         assert relative_errors(offloaded, ddp) <= 1e-6
         assert devices == {"cpu"} and flag is True
+
+
+def _offloaded_on_the_gpu(use_orig_params, mixed):
+    from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel, MixedPrecision
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    device = torch.device("cuda", 0)
+    base = make_gpt()
+    results = []
+    for fsdp, config, policy, precision in ((fsdp1.FullyShardedDataParallel, fsdp1.CPUOffload, fsdp1.wrap.ModuleWrapPolicy,
+                                              fsdp1.MixedPrecision),
+                                             (FullyShardedDataParallel, CPUOffload, ModuleWrapPolicy, MixedPrecision)):
+        model = fsdp(copy.deepcopy(base), auto_wrap_policy=policy({Block}), cpu_offload=config(offload_params=True),
+                     mixed_precision=precision(param_dtype=torch.bfloat16) if mixed else None,
+                     use_orig_params=use_orig_params, device_id=device)
+        optim = adam(model.parameters())
+        losses = []
+        for step in range(4):
+            inputs, targets = batch(step, 0, 1)
+            loss = lm_loss(model, inputs.to(device), targets.to(device))
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            losses.append(loss.item())
+        devices = {p.device.type for p in model.parameters()}
+        with fsdp.summon_full_params(model):
+            state = {name.replace("_fsdp_wrapped_module.", ""): p.detach().cpu().clone()
+                     for name, p in model.named_parameters()}
+        results.append((losses, devices, state))
+    return results
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA path of offloading needs a GPU")
+@pytest.mark.parametrize("use_orig_params, mixed", [(False, False), (True, False), (False, True)])
+def test_offloaded_training_on_the_gpu_equals_torchs(use_orig_params, mixed):
+    [((losses, devices, state), (their_losses, their_devices, their_state))] = run_on_ranks(
+        1, _offloaded_on_the_gpu, use_orig_params, mixed)
+    assert losses == their_losses and devices == their_devices == {"cpu"}
+    assert state.keys() == their_state.keys() and all(torch.equal(state[k], their_state[k]) for k in state)

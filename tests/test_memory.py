@@ -24,12 +24,16 @@ pytestmark = pytest.mark.filterwarnings("ignore:The `NO_SHARD` sharding strategy
 SMALL = GPTSize(vocab=96, seq=16, d_model=32, layers=3, heads=2, batch=2)
 
 
-def _measure(name):
+LONG_BATCH = GPTSize(vocab=96, seq=64, d_model=32, layers=3, heads=2, batch=8)
+"""Activations well above the parameters: a parameter copy kept through backward shows in the peak."""
+
+
+def _measure(name, size=SMALL):
     """Two training steps of the variant on CPU tensors, counted from the wrapper's construction."""
     torch.manual_seed(0)
-    base = SMALL.make_model()
-    tokens = SMALL.make_batch(torch.Generator().manual_seed(0), torch.device("cpu"))
-    return measure(SMALL, lambda: copy.deepcopy(base), VARIANTS[name], torch.device("cpu"), [tokens, tokens])
+    base = size.make_model()
+    tokens = size.make_batch(torch.Generator().manual_seed(0), torch.device("cpu"))
+    return measure(size, lambda: copy.deepcopy(base), VARIANTS[name], torch.device("cpu"), [tokens, tokens])
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -39,6 +43,15 @@ def test_peak_memory_at_most_torch_fsdp1(variant, world_size):
         ours, theirs = _measure(f"fsdp1_{variant}"), _measure(f"torch_fsdp1_{variant}")
     assert ours.step_start == theirs.step_start, (ours, theirs)  # the same state between steps
     assert ours.peak <= theirs.peak, (ours, theirs)
+
+
+@pytest.mark.parametrize("variant", ["full_bf16", "full_orig"])
+def test_units_that_are_not_sharded_hold_no_parameter_copy_torchs_frees(variant):
+    """At world size 1 both FSDP1s fall back to NO_SHARD; torch's frees each unit's low-precision copy
+    after forward and casts it again for backward, so fsdp1 must not keep it either."""
+    with fake_process_group(1):
+        ours, theirs = _measure(f"fsdp1_{variant}", LONG_BATCH), _measure(f"torch_fsdp1_{variant}", LONG_BATCH)
+    assert ours.step_start == theirs.step_start and ours.peak <= theirs.peak, (ours, theirs)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -122,3 +135,26 @@ def test_loading_a_full_optimizer_state_dict_holds_nothing_beyond_the_result(use
             assert tracker.live - before == sum(result.values())
             assert sum(result.values()) >= 2 * sum(p.numel() * 4 for p in model.parameters())  # AdamW's two moments
         del loaded
+
+
+@pytest.mark.parametrize("variant", ["fsdp1_full", "fsdp1_full_orig", "fsdp1_full_bf16"])
+def test_a_deleted_model_is_freed(variant):
+    """The hooks a unit leaves on its flat parameter and on autograd nodes, which the garbage
+    collector cannot look into, hold it weakly: once trained and deleted, no unit, parameter or
+    storage of the model stays alive (before, every model ever built stayed in memory)."""
+    import gc
+    import weakref
+
+    with fake_process_group(2):
+        torch.manual_seed(0)
+        model = VARIANTS[variant](SMALL.make_model(), torch.device("cpu"))
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        tokens = SMALL.make_batch(torch.Generator().manual_seed(0), torch.device("cpu"))
+        for _ in range(2):
+            SMALL.loss(model, tokens).backward()
+            optim.step()
+            optim.zero_grad()
+        refs = [weakref.ref(obj) for obj in (model, *model.modules(), *model.parameters())]
+        del model, optim
+        gc.collect()
+        assert [ref for ref in refs if ref() is not None] == []

@@ -114,6 +114,32 @@ def test_sync_module_states_makes_rank_0_win(pattern, use_orig_params):
         assert relative_errors(ours, ddp) <= 1e-5 and error <= 1e-5
 
 
+def _synced_on_the_gpu(use_orig_params):
+    """A CPU model with ``device_id`` on the GPU and an NCCL group, as the Transformers Trainer wraps:
+    the states are broadcast where NCCL works, after the move (torch's order)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    nccl = dist.new_group(backend="nccl")
+    device = torch.device("cuda", 0)
+    torch.manual_seed(0)
+    model = _lm()
+    ours = _wrap(copy.deepcopy(model), sync_module_states=True, use_orig_params=use_orig_params, process_group=nccl,
+                 device_id=device)
+    theirs = TorchFSDP(copy.deepcopy(model), auto_wrap_policy=ModuleWrapPolicy({Block}), sync_module_states=True,
+                       use_orig_params=use_orig_params, process_group=nccl, device_id=device)
+    on_cpu = [{name: value.cpu() for name, value in full.items()} for full in (fsdp1_full_params(ours), torch_fsdp_full_params(theirs))]
+    return (*on_cpu, {p.device.type for p in ours.parameters()})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="NCCL needs a GPU")
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_sync_module_states_broadcasts_on_the_compute_device(use_orig_params):
+    [(ours, theirs, devices)] = run_on_ranks(1, _synced_on_the_gpu, use_orig_params)
+    assert devices == {"cuda"} and ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[name], theirs[name]) for name in ours)
+
+
 # ---------------------------------------------------------------------------------------------- bad input
 class NoReset(nn.Module):
     def __init__(self):

@@ -125,7 +125,7 @@ class Rank:
                     t0, c0 = time.perf_counter(), time.process_time()
                     self.step(model, optim, i, phases)
                     times = torch.tensor([time.perf_counter() - t0, time.process_time() - c0,
-                                          phases["fwd"], phases["bwd"], phases["opt"]])
+                                          phases["fwd"], phases["bwd"], phases["opt"]], device=self.device)
                     dist.all_reduce(times, op=dist.ReduceOp.MAX)
                     samples[name].append([r] + times.tolist())
         comm = {}
@@ -165,7 +165,7 @@ def _run(rank, world_size, port, device_type, names, size, rounds, steps_per_rou
     samples, comm = bench.time_rounds(rounds, steps_per_round)
     memory = {}
     for name in names:
-        measured = torch.tensor(list(bench.measure_memory(name).values()), dtype=torch.float64)
+        measured = torch.tensor(list(bench.measure_memory(name).values()), dtype=torch.float64, device=device)
         dist.all_reduce(measured, op=dist.ReduceOp.MAX)
         keys = ["step_start", "peak", "state"] + (["cuda_max_allocated"] if device_type == "cuda" else [])
         memory[name] = dict(zip(keys, measured.tolist()))
