@@ -5,7 +5,7 @@ TORCH ?= torch==2.13.0
 TORCHRUN = OMP_NUM_THREADS=1 $(PYTHON) -m torch.distributed.run --standalone --nproc-per-node 2
 MIGRATION = examples/ddp_to_fsdp1
 
-.PHONY: test train migrate benchmark install install-examples
+.PHONY: test train migrate accelerate-example benchmark install install-examples
 
 install:
 	$(PYTHON) -m pip install -q "$(TORCH)" -e ".[test]"
@@ -26,6 +26,13 @@ migrate: install-examples
 	$(TORCHRUN) $(MIGRATION)/train_fsdp1.py --losses out/fsdp1_losses.json
 	$(PYTHON) $(MIGRATION)/compare_losses.py out/ddp_losses.json out/fsdp1_losses.json --plot out/losses.png
 	diff $(MIGRATION)/train_ddp.py $(MIGRATION)/train_fsdp1.py || true
+
+ACCELERATE = $(TORCHRUN) examples/hf_accelerate_fsdp1.py --checkpoint out/accelerate_checkpoint
+accelerate-example: install-examples
+	rm -rf out/accelerate_checkpoint
+	$(ACCELERATE) --losses out/accelerate_run.json
+	$(ACCELERATE) --resume --expect out/accelerate_run.json
+	$(ACCELERATE) --impl torch --checkpoint out/accelerate_torch_checkpoint --expect out/accelerate_run.json
 
 benchmark: install-examples
 	$(PYTHON) tools/benchmark.py --json out/benchmark.json

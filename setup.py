@@ -14,9 +14,10 @@ setup(
     install_requires=["torch>=2.4"],
     extras_require={
         # numpy: torch's object collectives import it in CPU builds (DESIGN.md §6.5). transformers: real
-        # model families, built from small configs in memory; accelerate: its own checkpoint functions
-        # run against fsdp1 (pinned: the versions the tests were run with).
-        "test": ["pytest>=7", "expecttest>=0.2", "numpy", "transformers==5.23.0", "accelerate==1.15.0"],
+        # model families, built from small configs in memory; accelerate, lightning and peft: the
+        # clients' own code runs against fsdp1 (pinned: the versions the tests were run with).
+        "test": ["pytest>=7", "expecttest>=0.2", "numpy", "transformers==5.23.0", "accelerate==1.15.0",
+                 "lightning==2.6.6", "peft==0.21.0"],
         "examples": ["tqdm", "matplotlib", "safetensors"],
     },
 )

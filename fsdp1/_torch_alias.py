@@ -1,39 +1,62 @@
 """``use_as_torch_fsdp``: fsdp1's class under torch's names, for clients that construct and recognise
-FSDP units by torch's class (HF Accelerate, the Transformers Trainer, Lightning).
+FSDP units by torch's class (HF Accelerate, the Transformers Trainer, Lightning, torch's own
+``torch.distributed.checkpoint.state_dict`` helpers).
 
 Those clients import ``FullyShardedDataParallel`` from ``torch.distributed.fsdp`` or from
 ``torch.distributed.fsdp.fully_sharded_data_parallel`` when they need it, and test
 ``isinstance(model, FSDP)`` or even ``type(model) is FSDP``; a subclass of torch's class would fail
-the latter. So both module attributes are pointed at fsdp1's class, and put back on undo. This is
-the one place the library touches ``torch.distributed.fsdp``, and only when asked: importing fsdp1
-does not import it.
+the latter. So both module attributes are pointed at fsdp1's class, and put back on undo. torch's
+``torch.distributed.checkpoint.state_dict`` binds the class when it is imported and asks a private
+helper for each unit's FSDP state; both names there are replaced too. This is the one place the
+library touches ``torch.distributed.fsdp``, and only when asked: importing fsdp1 does not import it.
 """
 
 import importlib
-from types import ModuleType
-from typing import Any, List, Tuple
+from typing import Any, Callable, List, Optional, Tuple
+
+from torch import nn
 
 from .fully_sharded_data_parallel import FullyShardedDataParallel
 
 TORCH_FSDP_MODULES = ("torch.distributed.fsdp", "torch.distributed.fsdp.fully_sharded_data_parallel")
 """Where clients import torch's FSDP1 class from."""
 
+TORCH_STATE_DICT_HELPERS = "torch.distributed.checkpoint.state_dict"
+"""torch's ``get_state_dict`` / ``set_state_dict`` family, which binds the class at import."""
+
+
+def _unit_state_or(torch_lookup: Callable[[nn.Module], Optional[Any]]) -> Callable[[nn.Module], Optional[Any]]:
+    """torch's "FSDP state of this fully sharded module" lookup, answering for fsdp1's units too:
+    a unit is its own state, as torch's wrapper is."""
+
+    def lookup(module: nn.Module) -> Optional[Any]:
+        return module if isinstance(module, FullyShardedDataParallel) else torch_lookup(module)
+
+    return lookup
+
 
 class use_as_torch_fsdp:  # noqa: N801 - used as a function, as torch's own context-manager functions are
-    """Make ``torch.distributed.fsdp.FullyShardedDataParallel`` (at both of its import paths) be
-    fsdp1's class, so that a client that builds and recognises FSDP units by torch's name uses fsdp1.
+    """Make ``torch.distributed.fsdp.FullyShardedDataParallel`` (at both of its import paths, and in
+    ``torch.distributed.checkpoint.state_dict``) be fsdp1's class, so that a client that builds and
+    recognises FSDP units by torch's name uses fsdp1.
 
     Call it once before the client builds its model (``fsdp1.use_as_torch_fsdp()``), or use it as a
-    context manager, which puts torch's class back on exit. A client module that bound torch's class
+    context manager, which puts torch's names back on exit. A client module that bound torch's class
     to a name of its own when it was imported keeps that binding: call this before importing it.
     """
 
     def __init__(self) -> None:
-        self._replaced: List[Tuple[ModuleType, Any]] = []
+        self._replaced: List[Tuple[Any, str, Any]] = []
+        helpers = importlib.import_module(TORCH_STATE_DICT_HELPERS)  # first: it binds the class it finds
         for name in TORCH_FSDP_MODULES:
-            module = importlib.import_module(name)
-            self._replaced.append((module, module.FullyShardedDataParallel))
-            module.FullyShardedDataParallel = FullyShardedDataParallel
+            self._replace(importlib.import_module(name), "FullyShardedDataParallel", FullyShardedDataParallel)
+        self._replace(helpers, "FSDP", FullyShardedDataParallel)
+        lookup = "_get_module_fsdp_state_if_fully_sharded_module"
+        self._replace(helpers, lookup, _unit_state_or(getattr(helpers, lookup)))
+
+    def _replace(self, module: Any, attribute: str, value: Any) -> None:
+        self._replaced.append((module, attribute, getattr(module, attribute)))
+        setattr(module, attribute, value)
 
     def __enter__(self) -> "use_as_torch_fsdp":
         return self
@@ -42,7 +65,7 @@ class use_as_torch_fsdp:  # noqa: N801 - used as a function, as torch's own cont
         self.undo()
 
     def undo(self) -> None:
-        """Put torch's class back where it was replaced."""
+        """Put torch's names back where they were replaced."""
         while self._replaced:
-            module, original = self._replaced.pop()
-            module.FullyShardedDataParallel = original
+            module, attribute, original = self._replaced.pop()
+            setattr(module, attribute, original)

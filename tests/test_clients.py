@@ -1,19 +1,21 @@
 """Tests ``fsdp1.use_as_torch_fsdp`` with the clients that reach for torch's class by name, running
-their own code (issue 13, first part): HF Accelerate's ``save_fsdp_model`` / ``load_fsdp_model`` /
-``save_fsdp_optimizer`` / ``load_fsdp_optimizer`` resume training bit for bit (FULL and SHARDED, both
-use_orig_params) and ``extract_model_from_parallel`` unwraps fsdp1's units. Accelerate only enters
+their own code: HF Accelerate's ``save_fsdp_model`` / ``load_fsdp_model`` / ``save_fsdp_optimizer`` /
+``load_fsdp_optimizer`` and torch's own ``torch.distributed.checkpoint.state_dict`` helpers resume
+training bit for bit (FULL and SHARDED, both use_orig_params), the latter also from a checkpoint
+torch's FSDP1 wrote, and ``extract_model_from_parallel`` unwraps fsdp1's units. Accelerate only enters
 its FSDP mode on accelerators, so its functions are called directly here, with its plugin and a
 stand-in for the ``Accelerator`` (the attributes they read)."""
 
-import types
+import subprocess
+import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import fsdp1
+from _accelerate import accelerator_stand_in, load_with_accelerate, save_with_accelerate
 from _harness import run_on_ranks
-from _models import Block, adam, make_gpt, train_steps, wrap_fsdp1
+from _models import Block, adam, make_gpt, train_steps, wrap_fsdp1, wrap_torch_fsdp
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
@@ -29,35 +31,44 @@ def test_use_as_torch_fsdp_puts_fsdp1_at_both_import_paths_and_back():
 
         assert ByPackage is ByModule is fsdp1.FullyShardedDataParallel
     assert torch_fsdp.FullyShardedDataParallel is torch_fsdp_module.FullyShardedDataParallel is original
+    import torch.distributed.checkpoint.state_dict as torch_state_dict_helpers
+
+    helpers_class = torch_state_dict_helpers.FSDP
+    with fsdp1.use_as_torch_fsdp():
+        assert torch_state_dict_helpers.FSDP is fsdp1.FullyShardedDataParallel
+    assert torch_state_dict_helpers.FSDP is helpers_class
     alias = fsdp1.use_as_torch_fsdp()  # the call form stays until undone
     assert torch_fsdp.FullyShardedDataParallel is fsdp1.FullyShardedDataParallel
     alias.undo()
     assert torch_fsdp.FullyShardedDataParallel is original
 
 
+def test_use_as_torch_fsdp_leaves_torchs_names_in_helpers_it_imported_first():
+    """The alias imports torch's state-dict helpers itself before replacing the class, so undoing it
+    leaves them torch's class, not the fsdp1 class they would have bound on import."""
+    script = ("import fsdp1, torch.distributed.fsdp as f\n"
+              "with fsdp1.use_as_torch_fsdp(): pass\n"
+              "import torch.distributed.checkpoint.state_dict as helpers\n"
+              "assert helpers.FSDP is f.FullyShardedDataParallel is not fsdp1.FullyShardedDataParallel\n")
+    subprocess.run([sys.executable, "-c", script], check=True)
+
+
 def _accelerate_save_and_resume(kind, use_orig_params, directory):
-    from accelerate import PartialState
     from accelerate.utils import FullyShardedDataParallelPlugin, extract_model_from_parallel
-    from accelerate.utils.fsdp_utils import load_fsdp_model, load_fsdp_optimizer, save_fsdp_model, save_fsdp_optimizer
     from torch.distributed.fsdp import StateDictType
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    PartialState(cpu=True)  # Accelerate's logging needs its state
-    accelerator = types.SimpleNamespace(process_index=rank, num_processes=world, is_fsdp2=False,
-                                        is_main_process=rank == 0, wait_for_everyone=dist.barrier)
+    accelerator = accelerator_stand_in()
     with fsdp1.use_as_torch_fsdp():
         plugin = FullyShardedDataParallelPlugin(fsdp_version=1, state_dict_type=StateDictType[kind],
                                                 use_orig_params=use_orig_params)
         model = wrap_fsdp1(make_gpt(), use_orig_params=use_orig_params)
         optim = adam(model.parameters())
         train_steps(model, optim, 0, 3)
-        save_fsdp_model(plugin, accelerator, model, directory)
-        save_fsdp_optimizer(plugin, accelerator, optim, model, directory)
+        save_with_accelerate(plugin, accelerator, model, optim, directory)
         uninterrupted = train_steps(model, optim, 3, 3)
         resumed_model = wrap_fsdp1(make_gpt(seed=7), use_orig_params=use_orig_params)
         resumed_optim = adam(resumed_model.parameters())
-        load_fsdp_model(plugin, accelerator, resumed_model, directory)
-        load_fsdp_optimizer(plugin, accelerator, resumed_optim, resumed_model, directory)
+        load_with_accelerate(plugin, accelerator, resumed_model, resumed_optim, directory)
         resumed = train_steps(resumed_model, resumed_optim, 3, 3)
         unwrapped = extract_model_from_parallel(model)
     return uninterrupted, resumed, type(unwrapped).__name__
@@ -70,6 +81,52 @@ def test_accelerate_saves_and_resumes_bitwise(kind, use_orig_params, tmp_path):
     for uninterrupted, resumed, unwrapped in run_on_ranks(2, _accelerate_save_and_resume, kind, use_orig_params, str(tmp_path)):
         assert resumed == uninterrupted
         assert unwrapped == "TinyGPT"
+
+
+def _dcp_helpers_save_and_resume(full, use_orig_params, directory):
+    """torch's FSDP1 trains 2 steps, saves through ``get_state_dict`` + ``dcp.save`` and trains on;
+    fsdp1, under the alias, resumes from that checkpoint through ``set_state_dict``, then saves and
+    resumes from its own. Returns torch's continuation and both of fsdp1's."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    options = StateDictOptions(full_state_dict=full)
+
+    def save(model, optim, path):
+        model_state, optim_state = get_state_dict(model, optim, options=options)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+
+    def resume(path):
+        model = wrap_fsdp1(make_gpt(seed=7), use_orig_params=use_orig_params)
+        optim = adam(model.parameters())
+        model_state, optim_state = get_state_dict(model, optim, options=options)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
+        return train_steps(model, optim, 2, 2)
+
+    theirs = wrap_torch_fsdp(make_gpt(), use_orig_params=use_orig_params)
+    their_optim = adam(theirs.parameters())
+    train_steps(theirs, their_optim, 0, 2)
+    save(theirs, their_optim, f"{directory}/torch")
+    their_continuation = train_steps(theirs, their_optim, 2, 2)
+    with fsdp1.use_as_torch_fsdp():
+        from_torch = resume(f"{directory}/torch")
+        ours = wrap_fsdp1(make_gpt(), use_orig_params=use_orig_params)
+        optim = adam(ours.parameters())
+        train_steps(ours, optim, 0, 2)
+        save(ours, optim, f"{directory}/fsdp1")
+        uninterrupted = train_steps(ours, optim, 2, 2)
+        from_fsdp1 = resume(f"{directory}/fsdp1")
+    return their_continuation, from_torch, uninterrupted, from_fsdp1
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+@pytest.mark.parametrize("full", [True, False], ids=["full", "sharded"])
+def test_torch_state_dict_helpers_resume_bitwise_also_from_torchs_checkpoint(full, use_orig_params, tmp_path):
+    for theirs, from_torch, uninterrupted, from_fsdp1 in run_on_ranks(2, _dcp_helpers_save_and_resume, full,
+                                                                      use_orig_params, str(tmp_path)):
+        assert from_torch == theirs == uninterrupted == from_fsdp1
 
 
 def _upcast_after_wrapping(use_orig_params):
