@@ -12,8 +12,11 @@ sharding; ``--text`` another corpus.
 
 Checkpoints: every ``--checkpoint-every`` steps (default 100) the model and the AdamW state are saved
 as a sharded checkpoint (``SHARDED_STATE_DICT`` through ``torch.distributed.checkpoint``) in
-``--checkpoint-dir``/step_NNNNNN; ``--resume`` continues from the latest complete one, on any number
-of ranks; on as many ranks as before, the losses are those of the uninterrupted run bit for bit.
+``--checkpoint-dir``/step_NNNNNN by ``fsdp1.checkpoint.save``, which commits a checkpoint only once
+every rank wrote its part (a manifest of every file's size and CRC-32, written last), keeping the
+``--keep-checkpoints`` latest (default 3); ``--resume`` continues from the latest committed one,
+each file checked against the manifest first, on any number of ranks; on as many ranks as before,
+the losses are those of the uninterrupted run bit for bit.
 ``python tools/checkpoint.py consolidate out/checkpoints/step_000500 model.pt --prefix model.`` turns
 one into a single file that loads into the plain model.
 """
@@ -27,12 +30,12 @@ from typing import Iterable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
 import fsdp1
+from fsdp1 import checkpoint
 from fsdp1.wrap import ModuleWrapPolicy
 
 DEFAULT_TEXT = Path(__file__).parent / "data" / "sonnets.txt"
@@ -122,31 +125,28 @@ def batch(data: torch.Tensor, block_size: int, batch_size: int, seed: int, step:
 
 
 def latest_checkpoint(directory: Path) -> Tuple[int, Optional[Path]]:
-    """The complete checkpoint of the highest step, or (0, None): a save cut short leaves only a
-    ``.partial`` directory, which is skipped."""
-    steps = [(int(p.name[5:]), p) for p in directory.glob("step_*") if p.name[5:].isdigit() and (p / ".metadata").exists()]
-    return max(steps) if steps else (0, None)
+    """The committed checkpoint of the highest step, or (0, None): a save cut short never commits."""
+    path = checkpoint.latest(directory)
+    return (int(path.name[5:]), path) if path is not None else (0, None)
 
 
-def save_checkpoint(model: nn.Module, optim: torch.optim.Optimizer, directory: Path, step: int) -> None:
-    """Every rank writes its own dim-0 rows of the parameters and the AdamW moments; the directory gets
-    its final name only once complete."""
+def save_checkpoint(model: nn.Module, optim: torch.optim.Optimizer, directory: Path, step: int, keep: int) -> None:
+    """Every rank writes its own dim-0 rows of the parameters and the AdamW moments; the checkpoint is
+    committed once every rank has, and only then are all but the ``keep`` latest removed."""
     FSDP = fsdp1.FullyShardedDataParallel
-    final, staging = directory / f"step_{step:06d}", directory / f"step_{step:06d}.partial"
     with FSDP.state_dict_type(model, fsdp1.StateDictType.SHARDED_STATE_DICT):
-        dcp.save({"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)}, checkpoint_id=staging)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        staging.rename(final)
-    dist.barrier()
+        checkpoint.save({"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)},
+                        directory / f"step_{step:06d}")
+    checkpoint.prune(directory, keep)
 
 
 def load_checkpoint(model: nn.Module, optim: torch.optim.Optimizer, path: Path) -> None:
-    """Fill templates of this run's model and fresh optimizer from the checkpoint, on any number of ranks."""
+    """Fill templates of this run's model and fresh optimizer from the checkpoint, on any number of
+    ranks; every file is checked against the checkpoint's manifest first."""
     FSDP = fsdp1.FullyShardedDataParallel
     with FSDP.state_dict_type(model, fsdp1.StateDictType.SHARDED_STATE_DICT):
         state = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)}
-        dcp.load(state, checkpoint_id=path)
+        checkpoint.load(state, path)
         model.load_state_dict(state["model"])
         optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, state["optim"]))
 
@@ -165,6 +165,7 @@ def main() -> None:
     parser.add_argument("--use-orig-params", action="store_true")
     parser.add_argument("--checkpoint-dir", type=Path, default=Path("out/checkpoints"))
     parser.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints; 0: none")
+    parser.add_argument("--keep-checkpoints", type=int, default=3, help="how many of the latest to keep")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     args = parser.parse_args()
 
@@ -202,7 +203,7 @@ def main() -> None:
             held = state_bytes(model, optim)  # with this step's gradients still in place
         optim.zero_grad(set_to_none=True)
         if args.checkpoint_every and step % args.checkpoint_every == 0:
-            save_checkpoint(model, optim, args.checkpoint_dir, step)
+            save_checkpoint(model, optim, args.checkpoint_dir, step, args.keep_checkpoints)
         if step % 25 == 0 or step == first_step or step == args.steps:
             mean_loss = mean_over_ranks(loss)
             if hasattr(bar, "set_postfix"):

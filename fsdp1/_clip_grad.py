@@ -21,11 +21,16 @@ if TYPE_CHECKING:
     from .fully_sharded_data_parallel import FullyShardedDataParallel as Unit
 
 
-def clip_grad_norm_(root: "Unit", max_norm: float, norm_type: float) -> torch.Tensor:
+def clip_grad_norm_(root: "Unit", max_norm: float, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
     state = root._root_state
     handles = [unit._handle for unit in state.units if unit._handle is not None]
     if not any(handle.is_sharded for handle in handles):  # every rank holds every gradient: DDP's case
-        return torch.nn.utils.clip_grad_norm_(root.parameters(), max_norm, norm_type)
+        params = list(root.parameters())
+        total = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], norm_type)
+        if error_if_nonfinite:
+            _refuse_nonfinite(root, total, not torch.isfinite(total).item())
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
     norm_type = float(norm_type)
     sharded: List[torch.Tensor] = []
     whole: List[torch.Tensor] = []
@@ -36,6 +41,8 @@ def clip_grad_norm_(root: "Unit", max_norm: float, norm_type: float) -> torch.Te
     device = root.compute_device
     sharded_norm = _norm(sharded, norm_type, device)
     whole_norm = _norm(whole, norm_type, device) if has_whole else None
+    nonfinite_here = error_if_nonfinite and not all(
+        torch.isfinite(norm).item() for norm in (sharded_norm, whole_norm) if norm is not None)
     if norm_type == float("inf"):
         # The whole part joins after the reduction: the same maximum as torch's wherever the ranks'
         # whole gradients agree, and each rank's own, as DDP's, for ignored ones, which may not.
@@ -47,6 +54,8 @@ def clip_grad_norm_(root: "Unit", max_norm: float, norm_type: float) -> torch.Te
         if whole_norm is not None:
             total += whole_norm**norm_type
         total = total ** (1.0 / norm_type)
+    if error_if_nonfinite:
+        _refuse_nonfinite(root, total, nonfinite_here)
     if root.cpu_offload.offload_params:
         total = total.cpu()
     clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -59,6 +68,22 @@ def clip_grad_norm_(root: "Unit", max_norm: float, norm_type: float) -> torch.Te
         return total
     # Computed in float32; returned in the gradients' dtype, as torch's (bf16 with keep_low_precision_grads).
     return total.to(functools.reduce(torch.promote_types, [grad.dtype for grad in grads]))
+
+
+def _refuse_nonfinite(root: "Unit", total: torch.Tensor, nonfinite_here: bool) -> None:
+    """``error_if_nonfinite``: raise on every rank, before any gradient is scaled, naming the ranks
+    whose own gradients (after the reduction, their shards) hold a NaN or an infinity; each rank
+    judges its own part, so ranks never disagree about raising."""
+    flags = torch.zeros(root.world_size, device=root.compute_device)
+    flags[root.rank] = float(nonfinite_here)
+    comm.all_reduce_with(flags, root.process_group, maximum=True).wait()
+    ranks = [rank for rank, flag in enumerate(flags.tolist()) if flag]
+    if ranks:
+        raise RuntimeError(
+            f"fsdp1: clip_grad_norm_(error_if_nonfinite=True): the total gradient norm is {total.item()}; the "
+            f"gradients of rank(s) {ranks} hold a NaN or an infinity. No gradient was scaled. Skip this step "
+            "(zero_grad()) or find its cause (a bad batch, too high a learning rate); with "
+            "error_if_nonfinite=False the norm is returned and the step left to you.")
 
 
 def _grads_of(handle) -> List[torch.Tensor]:

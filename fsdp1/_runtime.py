@@ -29,6 +29,7 @@ import torch
 from torch.autograd import Variable
 from torch.autograd.profiler import record_function
 
+from . import _collectives as comm
 from ._device import move_to_device
 from ._flat_param import FlatParamHandle, GradReduction, HandleTrainingState
 from ._init import RESHARD_AFTER_FORWARD
@@ -100,6 +101,29 @@ class ExecutionOrder:
 
     def fix_pre_forward(self) -> None:
         self._pre_forward_is_fixed = True
+
+    @property
+    def is_fixed(self) -> bool:
+        return self._pre_forward_is_fixed
+
+    def check_same_on_every_rank(self, paths: Dict["Unit", str], group: Any) -> None:
+        """The first iteration's order, compared across the ranks once: ranks that run units in
+        different orders pair different units' shards in every all-gather, which with equal shapes
+        trains silently wrong; this names the first difference on every rank instead."""
+        mine = [paths.get(unit, "?") for unit in self._pre_forward]
+        orders = comm.all_gather_object(mine, group)
+        if all(order == orders[0] for order in orders):
+            return
+        length = max(len(order) for order in orders)
+        step = next(i for i in range(length) if len({tuple(o[i:i + 1]) for o in orders}) > 1)
+        ran = ", ".join(f"rank {rank} '{order[step]}'" if step < len(order) else f"rank {rank} none"
+                        for rank, order in enumerate(orders))
+        raise RuntimeError(
+            f"fsdp1: the ranks ran their FSDP units in different orders in the first iteration, so each "
+            f"all-gather paired different units' shards and this iteration's results are wrong. The first "
+            f"difference is the forward's unit #{step + 1} holding parameters: {ran}. Every rank must run the same units in the "
+            "same order: no rank-dependent branches around FSDP units."
+        )
 
     def next_in_backward(self, unit: "Unit") -> Optional["Unit"]:
         index = self._post_forward_index.get(unit)
@@ -511,5 +535,9 @@ def _finalize_backward(state: RootState) -> None:
                 handle.training_state = HandleTrainingState.IDLE
             unit.training_state = TrainingState.IDLE
             unit._awaits_pre_backward = False
+        first_iteration = not state.order.is_fixed
         state.order.fix_pre_forward()
         state.is_final_callback_queued = False
+        root = state.units[0]
+        if first_iteration and root.world_size > 1:
+            state.order.check_same_on_every_rank(state.unit_paths, root.process_group)

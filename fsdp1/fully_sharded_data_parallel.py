@@ -344,10 +344,13 @@ class FullyShardedDataParallel(nn.Module):
         return fsdp_units(module, root_only)  # type: ignore[return-value]
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: Union[float, int], norm_type: Union[float, int] = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: Union[float, int], norm_type: Union[float, int] = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
         """Scale every gradient so that their total ``norm_type``-norm, over all ranks and units, is at
         most ``max_norm``, as DDP plus ``torch.nn.utils.clip_grad_norm_`` would; returns the norm
-        before scaling. Call it on the root, after backward, before the optimizer step."""
+        before scaling. Call it on the root, after backward, before the optimizer step.
+        ``error_if_nonfinite`` (not in torch's FSDP1): a NaN or infinite norm raises on every rank
+        before any gradient is scaled."""
         _runtime.lazy_init(self)
         if not self._is_root:
             raise RuntimeError(
@@ -359,7 +362,7 @@ class FullyShardedDataParallel(nn.Module):
         for unit in self._root_state.units:
             if unit._handle is not None:
                 unit._handle.write_back_orig_grads()  # a zero_grad() on the original parameters counts
-        return _clip_grad.clip_grad_norm_(self, max_norm, norm_type)
+        return _clip_grad.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
 
     def register_comm_hook(self, state: object, hook: Callable[..., object]) -> None:
         """Reduce every unit's gradient with ``hook`` instead of fsdp1's own reduction, with torch's

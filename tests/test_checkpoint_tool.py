@@ -330,6 +330,21 @@ def test_consolidate_missing_shard_file_is_an_error_naming_it(sharded, tmp_path,
     assert sorted(path.name for path in tmp_path.iterdir()) == ["ckpt"]
 
 
+def test_to_dcp_output_is_a_committed_fsdp1_checkpoint_whose_damage_inspect_names(truth, tmp_path, capsys):
+    """to-dcp seals its output with fsdp1.checkpoint's manifest; a file changed afterwards is named."""
+    from fsdp1 import checkpoint
+
+    source, directory = tmp_path / "model.pt", tmp_path / "ckpt"
+    torch.save(truth, source)
+    assert run_main(capsys, "to-dcp", source, directory)[0] == 0
+    assert checkpoint.is_committed(directory) and ".metadata" in checkpoint.verify(directory)
+    data = bytearray((directory / "__0_0.distcp").read_bytes())
+    data[len(data) // 2] ^= 1
+    (directory / "__0_0.distcp").write_bytes(bytes(data))
+    code, _, err = run_main(capsys, "inspect", directory)
+    assert code == 1 and "file __0_0.distcp has CRC-32" in err and "the manifest recorded" in err
+
+
 def test_damaged_metadata_is_an_error_naming_it(tmp_path, capsys):
     (tmp_path / ".metadata").write_bytes(b"garbage")
     code, _, err = run_main(capsys, "inspect", tmp_path)

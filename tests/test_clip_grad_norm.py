@@ -100,3 +100,32 @@ def test_clip_grad_norm_is_bitwise_torch_fsdp1s(strategy, use_orig_params, norm_
     norm one rounding away from torch's would make the two runs drift apart."""
     for (ours, theirs), error in run_on_ranks(2, _against_torch, strategy, use_orig_params, norm_type):
         assert ours == theirs and max(theirs) > MAX_NORM and error == 0.0
+
+
+def _nan_on_rank_1(strategy, error_if_nonfinite):
+    """reliability.md N1: a NaN in rank 1's batch at the first step."""
+    model = fsdp1.FullyShardedDataParallel(make_gpt(), auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({Block}),
+                                           sharding_strategy=fsdp1.ShardingStrategy[strategy], use_orig_params=True)
+    inputs, targets = batch(0, dist.get_rank(), dist.get_world_size())
+    loss = lm_loss(model, inputs, targets)
+    if dist.get_rank() == 1:
+        loss = loss * torch.tensor(float("nan"))
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    try:
+        outcome = ("norm", model.clip_grad_norm_(1.0, error_if_nonfinite=error_if_nonfinite).item())
+    except RuntimeError as error:
+        outcome = ("error", str(error))
+    after = [p.grad for p in model.parameters() if p.grad is not None]
+    untouched = all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) for a, b in zip(grads, after))
+    return outcome, untouched
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+def test_a_nan_on_one_rank_is_reported_on_every_rank_before_any_gradient_is_scaled(strategy):
+    for (kind, message), untouched in run_on_ranks(2, _nan_on_rank_1, strategy, True):
+        assert kind == "error" and "error_if_nonfinite=True" in message and "No gradient was scaled" in message
+        assert "rank(s) [0, 1]" in message  # the reduction spread rank 1's NaN into every shard
+        assert untouched
+    norms = [norm for (_, norm), _ in run_on_ranks(2, _nan_on_rank_1, strategy, False)]
+    assert all(norm != norm for norm in norms)  # the same NaN on every rank, as torch's

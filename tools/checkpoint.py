@@ -130,6 +130,18 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {first_line}" if first_line else type(error).__name__
 
 
+def _verify_if_committed(path: Path) -> None:
+    """An fsdp1 checkpoint (one with a manifest) must match it file for file; a plain DCP one is
+    read as it is. After the path checks: this imports torch."""
+    from fsdp1 import checkpoint
+
+    if checkpoint.is_committed(path):
+        try:
+            checkpoint.verify(path)
+        except checkpoint.CheckpointError as error:
+            raise UserError(str(error)) from None
+
+
 def _read_metadata(path: Path) -> Any:
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -185,6 +197,7 @@ def inspect(args: argparse.Namespace) -> None:
     """Print every entry of a checkpoint's ``.metadata``, sorted by key, then the totals."""
     directory = Path(args.dir)
     _require_checkpoint(directory)
+    _verify_if_committed(directory)
     metadata = _read_metadata(directory)
     entries = [_describe(key, storage) for key, storage in sorted(metadata.state_dict_metadata.items())]
     tensors = [entry for entry in entries if entry["type"] == "tensor"]
@@ -241,6 +254,7 @@ def consolidate(args: argparse.Namespace) -> None:
     _require_output(out, args.force, is_dir=False)
     if is_safetensors:
         _require_safetensors(out)
+    _verify_if_committed(directory)
     stored = _read_metadata(directory).state_dict_metadata
     prefix = args.prefix or ""
     prefix += "" if not prefix or prefix.endswith(".") else "."  # a module path: "model" means "model."
@@ -292,6 +306,9 @@ def to_dcp(args: argparse.Namespace) -> None:
     with _staged(directory, is_dir=True) as staged, warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=NO_PROCESS_GROUP_WARNING)
         dcp.save(state_dict, checkpoint_id=staged, no_dist=True)
+        from fsdp1 import checkpoint
+
+        checkpoint.seal_written_by_one_process(staged)  # committed: fsdp1.checkpoint.load takes it
     print(f"wrote {directory}")
 
 

@@ -1,0 +1,332 @@
+"""Checkpoints that are either complete and intact or refused: ``save`` and ``load`` around
+``torch.distributed.checkpoint`` (DCP) with a commit protocol.
+
+DCP alone marks a checkpoint complete when its ``.metadata`` lands, but a save over an existing
+directory that dies half way leaves one that loads without error, half old and half new; a flipped
+bit loads silently; and its errors are ``BaseException``s (../shared/spec/reliability.md). Here:
+
+- a save writes into a staging directory beside the target and takes the target's name by one
+  atomic rename, so a committed checkpoint is never written into; a committed one is never
+  overwritten (``CheckpointExists``);
+- the commit marker, a manifest of every file's size and CRC-32 (and its own checksum), is written
+  last, by rank 0, after every rank reported its files written; ``load`` verifies every file against
+  it before DCP reads anything;
+- a second save to the same path while one is in flight fails at once, naming the holder;
+- ``latest`` means the latest committed checkpoint; ``prune`` removes older ones only once a newer
+  one is committed.
+
+Every error is a ``CheckpointError`` (an ``Exception``), raised on every rank, naming the path, the
+rank(s) and what was expected and found. Collective: every rank of the default group calls these.
+"""
+
+import json
+import os
+import shutil
+import socket
+import uuid
+import zlib
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from . import _collectives as comm
+
+MANIFEST = "fsdp1_manifest.json"
+"""The commit marker: a checkpoint directory without it is incomplete."""
+
+PathLike = Union[str, os.PathLike]
+
+
+class CheckpointError(Exception):
+    """Any failure of ``save`` or ``load``; raised on every rank."""
+
+
+class CheckpointIncomplete(CheckpointError):
+    """The directory was never committed (a save died, or it is not an fsdp1 checkpoint)."""
+
+
+class CheckpointCorrupted(CheckpointError):
+    """A file differs from what the manifest recorded (size or checksum), or the manifest itself."""
+
+
+class CheckpointExists(CheckpointError):
+    """``save`` to a path that already holds a committed checkpoint."""
+
+
+class CheckpointBusy(CheckpointError):
+    """Another save to the same path is in flight."""
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _describe(path: Path) -> Dict[str, int]:
+    return {"bytes": path.stat().st_size, "crc32": _crc32(path)}
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _manifest_checksum(files: Dict[str, Dict[str, int]]) -> int:
+    return zlib.crc32(json.dumps(files, sort_keys=True).encode())
+
+
+Problem = Optional[Tuple[type, str]]
+"""None, or the error class a rank would raise and why."""
+
+
+def _agree(problem: Problem, what: str, path: Path) -> None:
+    """Raise on every rank if any rank has a problem: the first such rank's error class, naming every
+    rank that had one and why."""
+    reports = comm.all_gather_object(problem, comm.default_group())
+    failed = [(rank, report) for rank, report in enumerate(reports) if report is not None]
+    if failed:
+        detail = "; ".join(f"rank {rank}: {message}" for rank, (_, message) in failed)
+        raise failed[0][1][0](f"fsdp1: {what} '{path}' failed on rank(s) {[rank for rank, _ in failed]}: {detail}")
+
+
+class _Lock:
+    """``<path>.lock``, created exclusively by rank 0 for the length of a save, holding who took it."""
+
+    def __init__(self, path: Path) -> None:
+        self.file = path.with_name(path.name + ".lock")
+        self.holder = f"host {socket.gethostname()} pid {os.getpid()}"
+
+    def acquire(self) -> Optional[str]:
+        """None, or why the lock is not ours."""
+        try:
+            fd = os.open(self.file, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                holder = self.file.read_text() or "unknown"
+            except OSError:
+                holder = "unknown"
+            return (f"another save holds {self.file} ({holder}); wait for it, or delete the file if that "
+                    "process is gone")
+        with os.fdopen(fd, "w") as f:
+            f.write(self.holder)
+        return None
+
+    def release(self) -> None:
+        self.file.unlink(missing_ok=True)
+
+
+def is_committed(path: PathLike) -> bool:
+    return (Path(path) / MANIFEST).is_file()
+
+
+def save(state_dict: Dict[str, Any], path: PathLike) -> None:
+    """Save ``state_dict`` (as ``torch.distributed.checkpoint.save`` takes it) as a committed checkpoint
+    at ``path``, which must not hold one yet. Nothing appears at ``path`` unless every rank wrote its
+    part: a save that fails or dies leaves at most a ``<path>.partial-*`` staging directory, which
+    ``latest`` and ``load`` never take."""
+    group = comm.default_group()
+    path = Path(path)
+    first_path = comm.broadcast_object_from_first(str(path), group)
+    _agree(None if first_path == str(path) else (CheckpointError, f"given '{path}', rank 0 '{first_path}'"),
+           "save to", path)
+    rank = comm.group_rank(group)
+    lock = _Lock(path)
+    refusal: Problem = None
+    if rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if is_committed(path):
+            refusal = (CheckpointExists, "it already holds a committed checkpoint, which is never written into; save "
+                                         "under a new name (and prune the old one once that is committed)")
+        else:
+            busy = lock.acquire()
+            refusal = (CheckpointBusy, busy) if busy else None
+    refusal, staging = comm.broadcast_object_from_first(
+        (refusal, path.with_name(f"{path.name}.partial-{uuid.uuid4().hex[:12]}")), group)
+    if refusal:
+        raise refusal[0](f"fsdp1: cannot save to '{path}': {refusal[1]}.")
+    try:
+        _write(state_dict, path, staging, rank, group)
+    finally:
+        if rank == 0:
+            lock.release()
+
+
+def _write(state_dict: Dict[str, Any], path: Path, staging: Path, rank: int, group: Any) -> None:
+    problem: Problem = None
+    mine: Dict[str, Dict[str, int]] = {}
+    try:
+        dcp.save(state_dict, checkpoint_id=staging)
+        mine = {f.name: _describe(f) for f in sorted(staging.glob(f"__{rank}_*")) if f.is_file()}
+    except CheckpointException as error:  # a BaseException, which DCP raises on every rank
+        problem = _own_failure(error, rank)
+    except Exception as error:  # noqa: BLE001 - reported to every rank
+        problem = (CheckpointError, f"{type(error).__name__}: {error}")
+    reports = comm.all_gather_object((problem, mine), group)
+    written = not any(report for report, _ in reports)
+    if rank == 0:
+        if written:
+            problem = _commit(path, staging, {name: d for _, files in reports for name, d in files.items()})
+        else:
+            shutil.rmtree(staging, ignore_errors=True)
+    _agree(problem, "save (nothing committed; an earlier checkpoint is untouched) to", path)
+
+
+def _commit(path: Path, staging: Path, files: Dict[str, Dict[str, int]]) -> Problem:
+    """Rank 0: seal the staging directory with the manifest of ``files``, then give it the
+    checkpoint's name. None, or what went wrong (staging removed)."""
+    try:
+        _seal(staging, files)
+        if path.exists():  # an uncommitted leftover of a save that died: never a checkpoint
+            shutil.rmtree(path)
+        os.replace(staging, path)
+        _fsync_dir(path.parent)
+        return None
+    except OSError as error:
+        shutil.rmtree(staging, ignore_errors=True)
+        return CheckpointError, f"committing: {type(error).__name__}: {error}"
+
+
+def _seal(directory: Path, files: Dict[str, Dict[str, int]]) -> None:
+    """Record ``files`` and ``.metadata`` in the manifest, written last (temporary file, fsync, rename)."""
+    files = {**files, ".metadata": _describe(directory / ".metadata")}
+    manifest = {"format": "fsdp1-checkpoint-1", "files": files, "checksum": _manifest_checksum(files)}
+    temporary = directory / (MANIFEST + ".tmp")
+    with open(temporary, "w") as f:
+        json.dump(manifest, f, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, directory / MANIFEST)
+    _fsync_dir(directory)
+
+
+def seal_written_by_one_process(directory: PathLike) -> None:
+    """Commit a checkpoint that one process wrote itself (``dcp.save(..., no_dist=True)``, as
+    ``tools/checkpoint.py to-dcp`` does) by recording its files; give it its final name afterwards."""
+    directory = Path(directory)
+    _seal(directory, {f.name: _describe(f) for f in sorted(directory.glob("__*_*")) if f.is_file()})
+
+
+def verify(path: PathLike) -> Dict[str, Dict[str, int]]:
+    """The manifest's files of a committed checkpoint, after checking every file's size and CRC-32
+    against it on this process alone (no process group needed). Raises ``CheckpointIncomplete`` or
+    ``CheckpointCorrupted`` naming the file, what was recorded and what was found."""
+    path = Path(path)
+    files = _read_manifest(path)
+    for problem in (_check_file(path, name, recorded) for name, recorded in sorted(files.items())):
+        if problem:
+            raise CheckpointCorrupted(f"fsdp1: checkpoint '{path}': {problem}")
+    return files
+
+
+def _read_manifest(path: Path) -> Dict[str, Dict[str, int]]:
+    if not path.is_dir():
+        raise CheckpointIncomplete(f"fsdp1: no checkpoint at '{path}' (no such directory).")
+    if not is_committed(path):
+        raise CheckpointIncomplete(
+            f"fsdp1: '{path}' is not a committed checkpoint: it has no {MANIFEST}, which a save writes "
+            "last, so that save never finished. Load an earlier one (fsdp1.checkpoint.latest skips this).")
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        files = manifest["files"]
+        intact = manifest["checksum"] == _manifest_checksum(files)
+    except (ValueError, KeyError, TypeError) as error:
+        raise CheckpointCorrupted(f"fsdp1: checkpoint '{path}': its {MANIFEST} is unreadable ({error}).") from error
+    if not intact:
+        raise CheckpointCorrupted(f"fsdp1: checkpoint '{path}': its {MANIFEST} fails its own checksum.")
+    return files
+
+
+def _check_file(path: Path, name: str, recorded: Dict[str, int]) -> Optional[str]:
+    file = path / name
+    if not file.is_file():
+        return f"file {name} is missing (recorded {recorded['bytes']} bytes)"
+    found = file.stat().st_size
+    if found != recorded["bytes"]:
+        return f"file {name} has {found} bytes, the manifest recorded {recorded['bytes']}"
+    crc = _crc32(file)
+    if crc != recorded["crc32"]:
+        return f"file {name} has CRC-32 {crc:08x}, the manifest recorded {recorded['crc32']:08x}: its content changed"
+    return None
+
+
+def load(state_dict: Dict[str, Any], path: PathLike) -> None:
+    """Fill ``state_dict`` (templates, as ``torch.distributed.checkpoint.load`` takes them) from the
+    committed checkpoint at ``path``, on any number of ranks. Every file is checked against the
+    manifest first (the ranks share the reading); any problem raises on every rank before a tensor
+    is touched."""
+    group = comm.default_group()
+    path = Path(path)
+    rank, world_size = comm.group_rank(group), comm.group_size(group)
+    problem: Problem = None
+    try:
+        files = sorted(_read_manifest(path).items())
+        found = next(filter(None, (_check_file(path, name, recorded) for name, recorded in files[rank::world_size])), None)
+        problem = (CheckpointCorrupted, found) if found else None
+    except CheckpointError as error:
+        problem = (type(error), str(error))
+    _agree(problem, "checking the checkpoint", path)
+    try:
+        dcp.load(state_dict, checkpoint_id=path)
+    except CheckpointException as error:
+        problem = _own_failure(error, rank)
+    _agree(problem, "loading", path)
+
+
+def _own_failure(error: CheckpointException, rank: int) -> Problem:
+    """This rank's part of a DCP failure, which DCP raises on every rank with every rank's traceback:
+    its own exception, or None, so that the error names only the ranks that failed."""
+    failure = error.failures.get(rank)
+    if failure is None:
+        return None
+    cause = failure[0]
+    return CheckpointError, f"torch.distributed.checkpoint: {type(cause).__name__}: {cause}"
+
+
+def committed(root: PathLike) -> List[Path]:
+    """The committed checkpoints directly under ``root``, oldest first (by name: name them so that
+    they sort, e.g. ``step_000100``)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and is_committed(p))
+
+
+def latest(root: PathLike) -> Optional[Path]:
+    """The last committed checkpoint under ``root`` by name, or None: a save that never committed is
+    skipped."""
+    found = committed(root)
+    return found[-1] if found else None
+
+
+def prune(root: PathLike, keep: int) -> List[Path]:
+    """Remove all but the ``keep`` last committed checkpoints under ``root`` (rank 0 deletes; every
+    rank calls it), and the staging directories of saves that died; returns what was removed."""
+    if keep < 1:
+        raise ValueError(f"fsdp1: prune(keep={keep}) would remove every checkpoint; keep at least 1.")
+    group = comm.default_group()
+    root = Path(root)
+    removed: List[Path] = []
+    if comm.group_rank(group) == 0:
+        old = committed(root)[:-keep]
+        dead = [p for p in root.iterdir() if ".partial-" in p.name and not _Lock(_staged_target(p)).file.exists()]
+        for victim in old + dead:
+            shutil.rmtree(victim, ignore_errors=True)
+            removed.append(victim)
+    return comm.broadcast_object_from_first(removed, group)
+
+
+def _staged_target(staging: Path) -> Path:
+    return staging.with_name(staging.name.split(".partial-")[0])
+
+
+__all__: Tuple[str, ...] = ("CheckpointError", "CheckpointIncomplete", "CheckpointCorrupted", "CheckpointExists",
+                            "CheckpointBusy", "MANIFEST", "save", "load", "verify", "latest", "committed", "prune",
+                            "is_committed", "seal_written_by_one_process")

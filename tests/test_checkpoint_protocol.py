@@ -1,0 +1,238 @@
+"""Tests ``fsdp1.checkpoint`` (issue 14, the checkpoint cases of ../shared/spec/reliability.md §3.1):
+a checkpoint is committed (its manifest written last, after every rank wrote its part) or it is not
+one; a committed one is never written into, and every file is checked against the manifest before
+anything is loaded, so a truncated or bit-flipped file is an error naming it on every rank instead
+of silently different weights (DCP alone loads those). Every error is an ``Exception``."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fsdp1
+from _harness import run_on_ranks
+from _models import adam, make_gpt, train_steps, wrap_fsdp1
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+
+
+def _state(model, optim):
+    with fsdp1.FullyShardedDataParallel.state_dict_type(model, fsdp1.StateDictType.SHARDED_STATE_DICT):
+        return {"model": model.state_dict(), "optim": fsdp1.FullyShardedDataParallel.optim_state_dict(model, optim)}
+
+
+def _full(model):
+    with fsdp1.FullyShardedDataParallel.summon_full_params(model):
+        return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _trained(seed=0, steps=2):
+    model = wrap_fsdp1(make_gpt(seed=seed))
+    optim = adam(model.parameters())
+    train_steps(model, optim, 0, steps)
+    return model, optim
+
+
+def _load_into_fresh(path):
+    from fsdp1 import checkpoint
+
+    model, optim = _trained(seed=7, steps=0)
+    state = _state(model, optim)
+    checkpoint.load(state, path)
+    with fsdp1.FullyShardedDataParallel.state_dict_type(model, fsdp1.StateDictType.SHARDED_STATE_DICT):
+        model.load_state_dict(state["model"])
+        optim.load_state_dict(fsdp1.FullyShardedDataParallel.optim_state_dict_to_load(model, optim, state["optim"]))
+    return model
+
+
+def _error_of(call):
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001 - the test inspects it
+        return type(error).__name__, str(error)
+    return None
+
+
+def _round_trip_and_refusals(root):
+    from fsdp1 import checkpoint
+
+    model, optim = _trained()
+    first = Path(root) / "step_000002"
+    checkpoint.save(_state(model, optim), first)
+    saved = _full(model)
+    again = _error_of(lambda: checkpoint.save(_state(model, optim), first))
+    loaded = _full(_load_into_fresh(first))
+    dist.barrier()
+    if dist.get_rank() == 0:  # another job's save in flight
+        (Path(root) / "step_000004.lock").write_text("host elsewhere pid 4242")
+    dist.barrier()
+    busy = _error_of(lambda: checkpoint.save(_state(model, optim), Path(root) / "step_000004"))
+    return (all(torch.equal(saved[k], loaded[k]) for k in saved), again, busy, checkpoint.is_committed(first),
+            sorted(p.name for p in Path(root).iterdir()))
+
+
+def test_a_committed_checkpoint_loads_bitwise_and_is_never_written_into_or_saved_twice(tmp_path):
+    for equal, again, busy, committed, names in run_on_ranks(2, _round_trip_and_refusals, str(tmp_path)):
+        assert equal and committed
+        assert again[0] == "CheckpointExists" and "already holds a committed checkpoint" in again[1]
+        assert busy[0] == "CheckpointBusy" and "host elsewhere pid 4242" in busy[1]
+        assert names == ["step_000002", "step_000004.lock"]  # no staging left, the other job's lock kept
+
+
+def _failing_writer_on_rank_1(root):
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from fsdp1 import checkpoint
+
+    model, optim = _trained()
+    good = Path(root) / "step_000002"
+    checkpoint.save(_state(model, optim), good)
+    saved = _full(model)
+    train_steps(model, optim, 2, 1)
+    original = FileSystemWriter.write_data
+
+    def full_disk(self, plan, planner):
+        if dist.get_rank() == 1:
+            raise OSError(28, "No space left on device")
+        return original(self, plan, planner)
+
+    FileSystemWriter.write_data = full_disk
+    try:
+        error = _error_of(lambda: checkpoint.save(_state(model, optim), Path(root) / "step_000003"))
+    finally:
+        FileSystemWriter.write_data = original
+    alive = torch.ones(1)
+    dist.all_reduce(alive)  # the process group still works
+    names = sorted(p.name for p in Path(root).iterdir())
+    latest = checkpoint.latest(root).name
+    checkpoint.save(_state(model, optim), Path(root) / "step_000003")  # the lock was released
+    loaded = _full(_load_into_fresh(good))
+    return error, alive.item(), names, latest, all(torch.equal(saved[k], loaded[k]) for k in saved)
+
+
+def test_a_save_that_fails_on_one_rank_raises_on_every_rank_and_commits_nothing(tmp_path):
+    """reliability.md C4: ENOSPC on rank 1."""
+    for (kind, message), alive, names, latest, intact in run_on_ranks(2, _failing_writer_on_rank_1, str(tmp_path)):
+        assert kind == "CheckpointError" and "rank(s) [1]" in message and "No space left on device" in message
+        assert alive == 2.0 and names == ["step_000002"] and latest == "step_000002" and intact
+
+
+def _corrupted(root, damage):
+    from fsdp1 import checkpoint
+
+    model, optim = _trained()
+    path = Path(root) / "step_000002"
+    checkpoint.save(_state(model, optim), path)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        if damage == "manifest":
+            (path / checkpoint.MANIFEST).write_text((path / checkpoint.MANIFEST).read_text()[:-9])
+        else:
+            victim = path / ("__1_0.distcp" if damage != "metadata" else ".metadata")
+            data = bytearray(victim.read_bytes())
+            if damage == "truncated":
+                data = data[: len(data) // 2]
+            else:
+                data[len(data) * 2 // 3] ^= 0x10  # one bit
+            victim.write_bytes(bytes(data))
+    dist.barrier()
+    fresh, fresh_optim = _trained(seed=7, steps=0)
+    before = _full(fresh)
+    error = _error_of(lambda: checkpoint.load(_state(fresh, fresh_optim), path))
+    after = _full(fresh)
+    return error, all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("damage, named", [
+    ("truncated", "file __1_0.distcp has"),  # C5
+    ("bit flip", "file __1_0.distcp has CRC-32"),  # C6
+    ("metadata", "file .metadata has CRC-32"),  # C7
+    ("manifest", "fsdp1_manifest.json is unreadable"),  # C7, the marker itself
+])
+def test_a_damaged_checkpoint_is_refused_on_every_rank_naming_the_file(damage, named, tmp_path):
+    for (kind, message), untouched in run_on_ranks(2, _corrupted, str(tmp_path), damage):
+        assert kind == "CheckpointCorrupted" and named in message and untouched
+        if damage == "truncated":
+            assert "bytes, the manifest recorded" in message
+
+
+def _pruned(root):
+    from fsdp1 import checkpoint
+
+    model, optim = _trained()
+    for step in (2, 4, 6):
+        checkpoint.save(_state(model, optim), Path(root) / f"step_{step:06d}")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (Path(root) / "step_000008.partial-0123456789ab").mkdir()  # a save that died
+    dist.barrier()
+    before = checkpoint.latest(root).name
+    removed = sorted(p.name for p in checkpoint.prune(root, keep=2))
+    return before, removed, [p.name for p in checkpoint.committed(root)]
+
+
+def test_prune_keeps_the_latest_committed_and_removes_dead_staging(tmp_path):
+    for before, removed, left in run_on_ranks(2, _pruned, str(tmp_path)):
+        assert before == "step_000006"
+        assert removed == ["step_000002", "step_000008.partial-0123456789ab"] and left == ["step_000004", "step_000006"]
+
+
+JOB = '''
+import os, sys, torch, torch.distributed as dist
+sys.path.insert(0, {tests!r})
+import fsdp1
+from fsdp1 import checkpoint
+from torch.distributed.checkpoint import FileSystemWriter
+from _models import adam, make_gpt, train_steps, wrap_fsdp1
+dist.init_process_group("gloo")
+model = wrap_fsdp1(make_gpt()); optim = adam(model.parameters())
+def state():
+    with fsdp1.FullyShardedDataParallel.state_dict_type(model, fsdp1.StateDictType.SHARDED_STATE_DICT):
+        return {{"model": model.state_dict(), "optim": fsdp1.FullyShardedDataParallel.optim_state_dict(model, optim)}}
+train_steps(model, optim, 0, 1)
+checkpoint.save(state(), {root!r} + "/step_000001")
+train_steps(model, optim, 1, 1)
+original = FileSystemWriter.write_data
+def write_then_die(self, plan, planner):
+    written = original(self, plan, planner)
+    written.wait()
+    if dist.get_rank() == 1:
+        os._exit(17)  # killed after writing its data, before the commit
+    return written
+FileSystemWriter.write_data = write_then_die
+checkpoint.save(state(), {root!r} + "/step_000002")
+'''
+
+
+def test_a_rank_killed_during_a_save_leaves_the_last_committed_checkpoint_latest(tmp_path):
+    """reliability.md C1: the job fails, the second save is not a checkpoint, the first is latest."""
+    from fsdp1 import checkpoint
+
+    script = tmp_path / "job.py"
+    script.write_text(JOB.format(tests=str(Path(__file__).parent), root=str(tmp_path / "ckpt")))
+    job = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(script)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert job.returncode != 0
+    names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert "step_000002" not in names and any(name.startswith("step_000002.partial-") for name in names)
+    assert checkpoint.latest(tmp_path / "ckpt").name == "step_000001"
+    assert checkpoint.verify(tmp_path / "ckpt" / "step_000001")
+    with pytest.raises(checkpoint.CheckpointIncomplete, match="no such directory"):
+        checkpoint.verify(tmp_path / "ckpt" / "step_000002")
+    staged = next(p for p in (tmp_path / "ckpt").iterdir() if ".partial-" in p.name)
+    with pytest.raises(checkpoint.CheckpointIncomplete, match="not a committed checkpoint"):
+        checkpoint.verify(staged)
+
+
+def test_every_checkpoint_error_is_an_exception():
+    """reliability.md C13: DCP's own is a BaseException, which `except Exception` misses."""
+    from fsdp1 import checkpoint
+
+    for error in (checkpoint.CheckpointError, checkpoint.CheckpointIncomplete, checkpoint.CheckpointCorrupted,
+                  checkpoint.CheckpointExists, checkpoint.CheckpointBusy):
+        assert issubclass(error, Exception)

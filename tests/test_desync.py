@@ -1,0 +1,44 @@
+"""Tests that ranks which drive fsdp1 differently get a named error instead of silently wrong
+training (issue 14; ../shared/spec/reliability.md §3.3). H4: units run in a rank-dependent order
+with equal shapes pair different units' shards in every all-gather without any collective failing;
+torch's FSDP1 trains on silently (and its DETAIL check crashes with use_orig_params=True)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fsdp1
+from _harness import run_on_ranks
+
+
+class ThreeBranches(nn.Module):
+    """Three units of equal shapes; rank 1 runs the last two in the other order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        order = (self.a, self.b, self.c) if dist.get_rank() == 0 else (self.a, self.c, self.b)
+        for layer in order:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _rank_dependent_order(use_orig_params):
+    torch.manual_seed(0)
+    model = fsdp1.FullyShardedDataParallel(ThreeBranches(), auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({nn.Linear}),
+                                           use_orig_params=use_orig_params)
+    try:
+        model(torch.randn(4, 8)).sum().backward()
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_units_run_in_different_orders_are_named_on_every_rank(use_orig_params):
+    for message in run_on_ranks(2, _rank_dependent_order, use_orig_params):
+        assert message is not None and "different orders in the first iteration" in message
+        assert "unit #2 holding parameters: rank 0 'b', rank 1 'c'" in message
