@@ -1,6 +1,7 @@
-"""Fine-tune a small Hugging Face GPT-2 (built from a config; nothing is downloaded) with HF Accelerate
-driving fsdp1 in place of torch's FSDP1, checkpoint it mid-run with Accelerate's FSDP functions, and
-resume from that checkpoint.
+"""Fine-tune a Hugging Face GPT-2 through HF Accelerate with fsdp1 in place of torch's FSDP1, and resume.
+
+The GPT-2 is small and built from a config (nothing is downloaded); it is checkpointed mid-run with
+Accelerate's FSDP functions and resumed from that checkpoint.
 
     torchrun --standalone --nproc-per-node 2 examples/hf_accelerate_fsdp1.py --losses out/run.json
     torchrun --standalone --nproc-per-node 2 examples/hf_accelerate_fsdp1.py --resume --losses out/resumed.json

@@ -1,6 +1,8 @@
-"""Fine-tune a small Hugging Face GPT-2 (built from a config; nothing is downloaded) with the
-Transformers ``Trainer`` and ``fsdp="full_shard"`` (FSDP1: ``fsdp_config["version"] = 1``), fsdp1 in place of torch's FSDP1; save a
-checkpoint mid-run and resume from it. Needs a GPU: the Trainer enters FSDP through Accelerate, whose
+"""Fine-tune a Hugging Face GPT-2 with the Transformers Trainer, fsdp1 in place of torch's FSDP1, and resume.
+
+The GPT-2 is small and built from a config (nothing is downloaded); the Trainer runs it with
+``fsdp="full_shard"`` (FSDP1: ``fsdp_config["version"] = 1``), saves a checkpoint mid-run and resumes
+from it. Needs a GPU: the Trainer enters FSDP through Accelerate, whose
 FSDP mode runs only on accelerators (on CPU, see examples/hf_accelerate_fsdp1.py).
 
     torchrun --standalone --nproc-per-node 1 examples/hf_trainer_fsdp1.py --output out/trainer --losses out/trainer.json

@@ -260,7 +260,7 @@ def _to_load(model: nn.Module, optim: torch.optim.Optimizer, given: State, mode:
         _unit_state_in(entry, by_name, mode, state)
     for position, fqn in params.plain:
         if fqn in by_name:
-            state[position] = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in by_name[fqn].items()}
+            state[position] = {k: v.full_tensor() if isinstance(v, DTensor) else _copied(v) for k, v in by_name[fqn].items()}
     start, loaded_groups = 0, []
     for group, current in zip(groups, optim.param_groups):
         expected = [f for p in range(start, start + len(current["params"])) for f in params.fqns_at[p]]
@@ -285,9 +285,17 @@ class _TensorState:
 def _unit_state_in(entry: _UnitEntry, by_name: Dict[str, State], mode: str, out: Dict[int, State]) -> None:
     handle = entry.handle
     present = [by_name.get(fqn, {}) for fqn in entry.fqns]
-    if mode == "rank0":  # rank 0 describes the unit's state to every rank (values stay on rank 0)
+    if mode == "rank0":  # rank 0 checks and describes the unit's state to every rank (values stay on rank 0)
+        problem = None
+        if comm.global_rank() == 0:
+            try:
+                _check_shapes(entry, present)
+            except ValueError as error:
+                problem = str(error)
         described = [{n: _TensorState(v.dtype) if _is_tensor_state(v) else v for n, v in s.items()} for s in present]
-        described = comm.broadcast_object_from_first(described, comm.default_group())
+        described, problem = comm.broadcast_object_from_first((described, problem), comm.default_group())
+        if problem:  # on every rank, before any scatter that rank 0 alone would fail in
+            raise ValueError(f"{problem} (rank 0's dict; rank0_only)")
         present = present if comm.global_rank() == 0 else described
     else:
         _check_shapes(entry, present)
@@ -370,7 +378,8 @@ def _params_of(optim: torch.optim.Optimizer) -> List[nn.Parameter]:
 
 
 def _scalars_of(state: State) -> State:
-    return {n: v for n, v in state.items() if not (_is_tensor_state(v) or isinstance(v, _TensorState))}
+    """Copies (an optimizer adds to its ``step`` tensor in place, which must not change the caller's dict)."""
+    return {n: _copied(v) for n, v in state.items() if not (_is_tensor_state(v) or isinstance(v, _TensorState))}
 
 
 def _few(names: List[str], shown: int = 3) -> str:

@@ -139,6 +139,9 @@ def saving(unit: "Unit") -> Iterator[None]:
     """Around ``nn.Module.state_dict`` of ``unit``: every original parameter's name is registered
     (use_orig_params=False) so that its key comes out in the plain model's order, and removed again
     whatever happens."""
+    if _in_summon_full_params(unit):  # the module shows its full parameters already (PEFT saves so)
+        yield
+        return
     _check_idle(unit, "state_dict")
     adopt_replaced_flat_params(unit)
     handle = unit._handle
@@ -149,12 +152,25 @@ def saving(unit: "Unit") -> Iterator[None]:
         yield
 
 
+def _in_summon_full_params(unit: "Unit") -> bool:
+    """A FULL state dict inside ``summon_full_params``, as torch's allows: the values are the
+    summoned parameters, copied; other types there are refused by ``_check_idle``."""
+    return unit.training_state is TrainingState.SUMMON_FULL_PARAMS and _effective_type(unit) is StateDictType.FULL_STATE_DICT
+
+
 def _post_state_dict(unit: "Unit", destination: Dict[str, Any], prefix: str, local_metadata: Any) -> Dict[str, Any]:
     _strip_wrapper_names(destination, prefix)
     kind = _effective_type(unit)
     config = unit._state_dict_config if kind is unit._state_dict_type else FullStateDictConfig()
     keep = not (kind is StateDictType.FULL_STATE_DICT and getattr(config, "rank0_only", False) and comm.global_rank() != 0)
-    if unit._handle is not None:
+    if unit._handle is not None and _in_summon_full_params(unit):
+        destination.pop(prefix + FLAT_PARAM, None)
+        for fqn, _ in unit._handle.slot_fqns():
+            key = prefix + clean_fqn(fqn)
+            if key in destination:
+                value = destination[key].detach()
+                destination[key] = value.to("cpu", copy=True) if config.offload_to_cpu else value.clone()
+    elif unit._handle is not None:
         _save_params(unit, unit._handle, destination, prefix, kind, config.offload_to_cpu, keep)
     if unit._root_state is not None:  # buffers are cast at the root's lazy init, not before
         unit._root_state.buffers.restore_dtypes(unit, destination, prefix)

@@ -43,20 +43,26 @@ class use_as_torch_fsdp:  # noqa: N801 - used as a function, as torch's own cont
     Call it once before the client builds its model (``fsdp1.use_as_torch_fsdp()``), or use it as a
     context manager, which puts torch's names back on exit. A client module that bound torch's class
     to a name of its own when it was imported keeps that binding: call this before importing it.
+    Keep it in effect while a model built under it lives: the clients test the class of the model.
+    Several may be in effect at once (a library and its user each calling it): torch's names come
+    back when the last one still in effect is undone, in whatever order they are.
     """
 
-    def __init__(self) -> None:
-        self._replaced: List[Tuple[Any, str, Any]] = []
-        helpers = importlib.import_module(TORCH_STATE_DICT_HELPERS)  # first: it binds the class it finds
-        for name in TORCH_FSDP_MODULES:
-            self._replace(importlib.import_module(name), "FullyShardedDataParallel", FullyShardedDataParallel)
-        self._replace(helpers, "FSDP", FullyShardedDataParallel)
-        lookup = "_get_module_fsdp_state_if_fully_sharded_module"
-        self._replace(helpers, lookup, _unit_state_or(getattr(helpers, lookup)))
+    _in_effect: List["use_as_torch_fsdp"] = []
+    _torch_names: List[Tuple[Any, str, Any]] = []  # (module, attribute, torch's value) while any is in effect
 
-    def _replace(self, module: Any, attribute: str, value: Any) -> None:
-        self._replaced.append((module, attribute, getattr(module, attribute)))
-        setattr(module, attribute, value)
+    def __init__(self) -> None:
+        if not self._in_effect:
+            helpers = importlib.import_module(TORCH_STATE_DICT_HELPERS)  # first: it binds the class it finds
+            replacements = [(importlib.import_module(name), "FullyShardedDataParallel", FullyShardedDataParallel)
+                            for name in TORCH_FSDP_MODULES]
+            lookup = "_get_module_fsdp_state_if_fully_sharded_module"
+            replacements += [(helpers, "FSDP", FullyShardedDataParallel),
+                             (helpers, lookup, _unit_state_or(getattr(helpers, lookup)))]
+            for module, attribute, value in replacements:
+                self._torch_names.append((module, attribute, getattr(module, attribute)))
+                setattr(module, attribute, value)
+        self._in_effect.append(self)
 
     def __enter__(self) -> "use_as_torch_fsdp":
         return self
@@ -65,7 +71,11 @@ class use_as_torch_fsdp:  # noqa: N801 - used as a function, as torch's own cont
         self.undo()
 
     def undo(self) -> None:
-        """Put torch's names back where they were replaced."""
-        while self._replaced:
-            module, attribute, original = self._replaced.pop()
-            setattr(module, attribute, original)
+        """End this one; torch's names come back once none is in effect. Undoing twice does nothing."""
+        if self not in self._in_effect:
+            return
+        self._in_effect.remove(self)
+        if not self._in_effect:
+            while self._torch_names:
+                module, attribute, original = self._torch_names.pop()
+                setattr(module, attribute, original)

@@ -43,6 +43,18 @@ def test_use_as_torch_fsdp_puts_fsdp1_at_both_import_paths_and_back():
     assert torch_fsdp.FullyShardedDataParallel is original
 
 
+def test_use_as_torch_fsdp_undone_in_any_order_restores_torchs_class_once_none_is_in_effect():
+    import torch.distributed.fsdp as torch_fsdp
+
+    original = torch_fsdp.FullyShardedDataParallel
+    library, user = fsdp1.use_as_torch_fsdp(), fsdp1.use_as_torch_fsdp()
+    library.undo()  # the first one first: the user's is still in effect
+    assert torch_fsdp.FullyShardedDataParallel is fsdp1.FullyShardedDataParallel
+    user.undo()
+    user.undo()
+    assert torch_fsdp.FullyShardedDataParallel is original
+
+
 def test_use_as_torch_fsdp_leaves_torchs_names_in_helpers_it_imported_first():
     """The alias imports torch's state-dict helpers itself before replacing the class, so undoing it
     leaves them torch's class, not the fsdp1 class they would have bound on import."""

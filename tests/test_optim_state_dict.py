@@ -298,3 +298,49 @@ def _hybrid_rank0_only(use_orig_params):
 @pytest.mark.parametrize("use_orig_params", [False, True])
 def test_rank0_only_load_reaches_every_replica_of_hybrid_sharding(use_orig_params):
     assert all(run_on_ranks(4, _hybrid_rank0_only, use_orig_params))
+
+
+def _reused_and_mismatched(use_orig_params):
+    """One FULL dict kept in memory and loaded into two fresh optimizers: both resume exactly (the
+    optimizers' ``step`` tensors are copies, not the dict's); then rank 0's dict of another model
+    under rank0_only is refused on every rank (rank 0 alone failed and the others waited)."""
+    import fsdp1
+
+    model = wrap_fsdp1(make_tied_gpt(), use_orig_params=use_orig_params)
+    optim = _optimizer(model, "adam")
+    train_steps(model, optim, 0, 2)
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        saved = FSDP.optim_state_dict(model, optim)
+        model_state = model.state_dict()
+    steps_before = [s["step"].item() for s in saved["state"].values()]
+    resumed = []
+    for _ in range(2):
+        fresh = wrap_fsdp1(make_tied_gpt(seed=3), use_orig_params=use_orig_params)
+        fresh_optim = _optimizer(fresh, "adam")
+        with FSDP.state_dict_type(fresh, StateDictType.FULL_STATE_DICT):
+            fresh.load_state_dict(model_state)
+            fresh_optim.load_state_dict(FSDP.optim_state_dict_to_load(fresh, fresh_optim, saved))
+        resumed.append(train_steps(fresh, fresh_optim, 2, 2))
+    steps_after = [s["step"].item() for s in saved["state"].values()]
+    other = wrap_fsdp1(make_tied_gpt(), use_orig_params=use_orig_params)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.zero_()
+    wide = {"state": {k: {n: torch.cat([v, v]) if v.dim() else v for n, v in s.items()} for k, s in saved["state"].items()},
+            "param_groups": saved["param_groups"]} if dist.get_rank() == 0 else {}
+    config = fsdp1.FullOptimStateDictConfig(rank0_only=True)
+    other_optim = _optimizer(other, "adam")
+    try:
+        with FSDP.state_dict_type(other, StateDictType.FULL_STATE_DICT, optim_state_dict_config=config):
+            FSDP.optim_state_dict_to_load(other, other_optim, wide)
+        refusal = None
+    except ValueError as error:
+        refusal = str(error)
+    return resumed, steps_before == steps_after, refusal
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_a_dict_loads_twice_alike_and_a_wrong_rank0_dict_is_refused_everywhere(use_orig_params):
+    for (first, second), unchanged, refusal in run_on_ranks(2, _reused_and_mismatched, use_orig_params):
+        assert first == second and unchanged
+        assert refusal is not None and "has shape" in refusal and "rank 0's dict" in refusal

@@ -573,3 +573,22 @@ def test_state_dicts_stay_clean_with_activation_checkpointing(tmp_path, order, u
         2, _checkpointed_state_dicts, order, use_orig_params, str(tmp_path)
     ):
         assert full_clean and sharded_clean and sharded_restored and full_restored
+
+
+def _full_inside_summon(use_orig_params):
+    """PEFT saves adapters with ``state_dict()`` inside ``summon_full_params``, which torch's allows:
+    the same keys and values as torch's there, on the wrapper and on its wrapped module."""
+    results = []
+    for wrap in (wrap_fsdp1, wrap_torch_fsdp):
+        model = wrap(make_gpt(), use_orig_params=use_orig_params)
+        with type(model).summon_full_params(model):
+            results.append([{key: value.clone() for key, value in module.state_dict().items()}
+                            for module in (model, model.module)])
+    return results
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_a_full_state_dict_inside_summon_full_params_equals_torchs(use_orig_params):
+    for ours, theirs in run_on_ranks(2, _full_inside_summon, use_orig_params):
+        for mine, torchs in zip(ours, theirs):
+            assert list(mine) == list(torchs) and all(torch.equal(mine[k], torchs[k]) for k in torchs)
