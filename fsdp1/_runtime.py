@@ -119,10 +119,10 @@ class ExecutionOrder:
         ran = ", ".join(f"rank {rank} '{order[step]}'" if step < len(order) else f"rank {rank} none"
                         for rank, order in enumerate(orders))
         raise RuntimeError(
-            f"fsdp1: the ranks ran their FSDP units in different orders in the first iteration, so each "
-            f"all-gather paired different units' shards and this iteration's results are wrong. The first "
-            f"difference is the forward's unit #{step + 1} holding parameters: {ran}. Every rank must run the same units in the "
-            "same order: no rank-dependent branches around FSDP units."
+            "fsdp1: the ranks ran their FSDP units in different orders in the first iteration, so each "
+            "all-gather paired different units' shards and this iteration's results are wrong. The first "
+            f"difference is the forward's unit #{step + 1} holding parameters: {ran}. Every rank must run "
+            "the same units in the same order: no rank-dependent branches around FSDP units."
         )
 
     def next_in_backward(self, unit: "Unit") -> Optional["Unit"]:
