@@ -35,6 +35,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWa
 MAX_NORM = 0.7
 """Between the gradient norms of different steps, so that clipping both acts and leaves alone."""
 
+
 @contextlib.contextmanager
 def _torch_fsdp1_on_cpu():
     """torch's FSDP1 at its import paths, with the ``device_id=cpu`` it needs on CPU."""
