@@ -288,3 +288,27 @@ def test_a_parameter_with_fewer_rows_than_ranks_resumes_bitwise(use_orig_params,
     optim.param_groups")."""
     for uninterrupted, resumed in run_on_ranks(2, _tiny_head_resume, str(tmp_path), use_orig_params):
         assert resumed == uninterrupted
+
+
+def _into_a_wider_model(root):
+    from fsdp1 import checkpoint
+
+    def build(width):
+        torch.manual_seed(0)
+        model = fsdp1.FullyShardedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Linear(width, 2)),
+                                               auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({torch.nn.Linear}))
+        return model, torch.optim.Adam(model.parameters())
+
+    model, optim = build(8)
+    model(torch.randn(2, 4)).sum().backward()
+    optim.step()
+    checkpoint.save(_state(model, optim), Path(root) / "step_000001")
+    wider, wider_optim = build(12)
+    return _error_of(lambda: checkpoint.load(_state(wider, wider_optim), Path(root) / "step_000001"))
+
+
+def test_loading_into_another_model_names_the_key_and_both_shapes_on_every_rank(tmp_path):
+    """reliability.md C8."""
+    for kind, message in run_on_ranks(2, _into_a_wider_model, str(tmp_path)):
+        assert kind == "CheckpointError" and "rank(s) [0, 1]" in message
+        assert "saved torch.Size([8, 4]) and current: torch.Size([12, 4]) for model.0.weight" in message
