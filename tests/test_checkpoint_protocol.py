@@ -312,3 +312,62 @@ def test_loading_into_another_model_names_the_key_and_both_shapes_on_every_rank(
     for kind, message in run_on_ranks(2, _into_a_wider_model, str(tmp_path)):
         assert kind == "CheckpointError" and "rank(s) [0, 1]" in message
         assert "saved torch.Size([8, 4]) and current: torch.Size([12, 4]) for model.0.weight" in message
+
+
+RESTARTED_JOB = '''
+import json, os, sys, torch, torch.distributed as dist
+sys.path.insert(0, {tests!r})
+import fsdp1
+from fsdp1 import checkpoint
+from _models import adam, make_gpt, train_steps, wrap_fsdp1
+dist.init_process_group("gloo")
+root, crash = {root!r}, {crash!r}
+model = wrap_fsdp1(make_gpt()); optim = adam(model.parameters())
+FSDP = fsdp1.FullyShardedDataParallel
+def state():
+    with FSDP.state_dict_type(model, fsdp1.StateDictType.SHARDED_STATE_DICT):
+        return {{"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)}}
+first = 0
+latest = checkpoint.latest(root)
+if latest is not None:
+    loaded = state()
+    checkpoint.load(loaded, latest)
+    with FSDP.state_dict_type(model, fsdp1.StateDictType.SHARDED_STATE_DICT):
+        model.load_state_dict(loaded["model"])
+        optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, loaded["optim"]))
+    first = int(latest.name[5:])
+losses = {{}}
+for step in range(first, 10):
+    if crash and step == 6 and dist.get_rank() == 1 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        os._exit(17)
+    losses[step] = train_steps(model, optim, step, 1)[0]
+    if (step + 1) % 2 == 0:
+        checkpoint.save(state(), f"{{root}}/step_{{step + 1:06d}}")
+if dist.get_rank() == 0:
+    with open(f"{{root}}/losses-{{os.environ['TORCHELASTIC_RESTART_COUNT']}}.json", "w") as f:
+        json.dump(losses, f)
+'''
+
+
+def test_a_rank_killed_at_step_6_restarts_from_the_last_checkpoint_and_continues_bitwise(tmp_path):
+    """reliability.md R1, under ``torchrun --max-restarts=1`` (with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1,
+    which gloo restarts need on torch 2.13): the restarted job resumes from step 6 and its losses
+    equal the uninterrupted run's bit for bit."""
+    import json
+
+    runs = {}
+    for crash in (False, True):
+        root = tmp_path / ("crashed" if crash else "straight")
+        root.mkdir()
+        script = tmp_path / f"job_{crash}.py"
+        script.write_text(RESTARTED_JOB.format(tests=str(Path(__file__).parent), root=str(root), crash=crash))
+        job = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                              "--max-restarts", "1", str(script)], capture_output=True, text=True, timeout=150,
+                             env={**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+        assert job.returncode == 0, job.stderr[-3000:]
+        runs[crash] = {attempt.name: json.loads(attempt.read_text()) for attempt in root.glob("losses-*.json")}
+    straight = runs[False]["losses-0.json"]
+    assert list(runs[True]) == ["losses-1.json"]  # the first attempt died
+    resumed = runs[True]["losses-1.json"]
+    assert list(resumed) == [str(step) for step in range(6, 10)]
+    assert resumed == {step: straight[step] for step in resumed}
