@@ -1,7 +1,8 @@
 """Tests ``CPUOffload(offload_params=True)`` on this CPU-only machine, where torch's FSDP1 fails in
 ``pin_memory()``: training equals the same run without offloading and DDP's, the sharded parameters
-and their gradients stay on the CPU, and torch's config object is accepted. (The CUDA path, a CPU
-shard gathered through the device, is not exercised here: see the README.)"""
+and their gradients stay on the CPU, and torch's config object is accepted. The CUDA path (a CPU
+shard copied to the device for each gather, gradients copied back) runs where a GPU is: one rank,
+where both FSDP1s fall back to NO_SHARD, against torch's FSDP1 offloading the same way."""
 
 import copy
 
