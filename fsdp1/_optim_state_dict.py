@@ -180,7 +180,7 @@ def _stepped_on_any_rank(params: "OptimizerParams", optim: torch.optim.Optimizer
     A rank whose shards hold no trainable element (use_orig_params, frozen parameters laid out there)
     never gets state; it must then offer nothing, not a template whose ``step`` 0 would stand beside
     the other ranks' real steps."""
-    stepped = bool(optim.state) or any(p.grad is not None for p in _params_of(optim))
+    stepped = _has_state_or_grads(optim)
     if not params.units or params.units[0].unit.world_size == 1:
         return stepped
     unit = params.units[0].unit
@@ -189,14 +189,19 @@ def _stepped_on_any_rank(params: "OptimizerParams", optim: torch.optim.Optimizer
     return bool(flag.item())
 
 
+def _has_state_or_grads(optim: torch.optim.Optimizer) -> bool:
+    """The optimizer has stepped here, or has gradients to step on: its ``state_dict()`` is the state."""
+    return bool(optim.state) or any(p.grad is not None for p in _params_of(optim))
+
+
 def fresh_state_template(optim: torch.optim.Optimizer) -> State:
     """``optim.state_dict()``, complete even for an optimizer that has not stepped: its state is made
     as torch's DCP helpers make it (a step on zero gradients at learning rate 0, which changes no
     parameter), copied with every ``step`` at 0 (what a first step starts from), and then the
     optimizer is put back as it was, so that asking for a template changes no later step."""
-    params = _params_of(optim)
-    if optim.state or any(p.grad is not None for p in params):
+    if _has_state_or_grads(optim):
         return optim.state_dict()
+    params = _params_of(optim)
     for param in params:
         if param.requires_grad:
             param.grad = torch.zeros_like(param)
@@ -286,19 +291,14 @@ def _unit_state_in(entry: _UnitEntry, by_name: Dict[str, State], mode: str, out:
     handle = entry.handle
     present = [by_name.get(fqn, {}) for fqn in entry.fqns]
     if mode == "rank0":  # rank 0 checks and describes the unit's state to every rank (values stay on rank 0)
-        problem = None
-        if comm.global_rank() == 0:
-            try:
-                _check_shapes(entry, present)
-            except ValueError as error:
-                problem = str(error)
+        problem = _shape_problem(entry, present) if comm.global_rank() == 0 else None
         described = [{n: _TensorState(v.dtype) if _is_tensor_state(v) else v for n, v in s.items()} for s in present]
         described, problem = comm.broadcast_object_from_first((described, problem), comm.default_group())
         if problem:  # on every rank, before any scatter that rank 0 alone would fail in
             raise ValueError(f"{problem} (rank 0's dict; rank0_only)")
         present = present if comm.global_rank() == 0 else described
-    else:
-        _check_shapes(entry, present)
+    elif problem := _shape_problem(entry, present):
+        raise ValueError(problem)
     if mode == "sharded" and _effective_type(entry.unit) is StateDictType.FULL_STATE_DICT:
         mode = "full"  # a NO_SHARD unit saved full tensors, as its parameters
     names = sorted({n for s in present for n, v in s.items() if _is_tensor_state(v) or isinstance(v, _TensorState)})
@@ -333,16 +333,15 @@ def _unit_state_in(entry: _UnitEntry, by_name: Dict[str, State], mode: str, out:
         out[position] = {**_scalars_of(present[index]), **pieces}
 
 
-def _check_shapes(entry: _UnitEntry, present: List[State]) -> None:
-    """A tensor state must have its parameter's shape (of the whole parameter: FULL and SHARDED
-    alike describe the unsharded one)."""
+def _shape_problem(entry: _UnitEntry, present: List[State]) -> Optional[str]:
+    """What is wrong, if anything: a tensor state must have its parameter's shape (of the whole
+    parameter: FULL and SHARDED alike describe the unsharded one)."""
     for fqn, state, shape in zip(entry.fqns, present, entry.handle.shapes):
         for name, value in state.items():
             if _is_tensor_state(value) and tuple(value.shape) != tuple(shape):
-                raise ValueError(
-                    f"fsdp1: optimizer state '{name}' of '{fqn}' has shape {tuple(value.shape)}, the parameter "
-                    f"{tuple(shape)}; load the optimizer state saved with this model."
-                )
+                return (f"fsdp1: optimizer state '{name}' of '{fqn}' has shape {tuple(value.shape)}, the parameter "
+                        f"{tuple(shape)}; load the optimizer state saved with this model.")
+    return None
 
 
 def _scattered(entry: _UnitEntry, values: List[Any], template: torch.Tensor) -> torch.Tensor:

@@ -220,10 +220,14 @@ def verify(path: PathLike) -> Dict[str, Dict[str, int]]:
     ``CheckpointCorrupted`` naming the file, what was recorded and what was found."""
     path = Path(path)
     files = _read_manifest(path)
-    for problem in (_check_file(path, name, recorded) for name, recorded in sorted(files.items())):
-        if problem:
-            raise CheckpointCorrupted(f"fsdp1: checkpoint '{path}': {problem}")
+    problem = _first_problem(path, sorted(files.items()))
+    if problem:
+        raise CheckpointCorrupted(f"fsdp1: checkpoint '{path}': {problem}")
     return files
+
+
+def _first_problem(path: Path, files: List[Tuple[str, Dict[str, int]]]) -> Optional[str]:
+    return next(filter(None, (_check_file(path, name, recorded) for name, recorded in files)), None)
 
 
 def _read_manifest(path: Path) -> Dict[str, Dict[str, int]]:
@@ -267,8 +271,7 @@ def load(state_dict: Dict[str, Any], path: PathLike) -> None:
     rank, world_size = comm.group_rank(group), comm.group_size(group)
     problem: Problem = None
     try:
-        files = sorted(_read_manifest(path).items())
-        found = next(filter(None, (_check_file(path, name, recorded) for name, recorded in files[rank::world_size])), None)
+        found = _first_problem(path, sorted(_read_manifest(path).items())[rank::world_size])
         problem = (CheckpointCorrupted, found) if found else None
     except CheckpointError as error:
         problem = (type(error), str(error))
