@@ -4,9 +4,16 @@ Every collective is issued with ``async_op=True`` and returns its ``Work``: gloo
 on its own threads and NCCL on its own stream, so the caller decides how late to wait. Waiting on
 a ``Work`` also orders the current CUDA stream after the collective, which is why fsdp1 needs no
 streams of its own (see DESIGN.md §4). Version shims and backend-specific choices live here too.
+
+Every collective goes through ``_issue``, which counts it per process group and keeps the last few
+(``GroupHealth``): a failed collective breaks the group for fsdp1, so no rank goes on to pair its
+next collectives with the wrong partners (issue 14), and ``check_in_step`` compares the counts.
 """
 
-from typing import Any, List, Optional, Tuple, Union
+import weakref
+from collections import deque
+from datetime import timedelta
+from typing import Any, Callable, Deque, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -41,25 +48,34 @@ def group_size(group: ProcessGroup) -> int:
     return dist.get_world_size(group)
 
 
-def all_gather_into(output: torch.Tensor, local_shard: torch.Tensor, group: ProcessGroup) -> Union[Work, "PairwiseExchange"]:
-    """Gather equal shards into one flat ``output`` (rank r's shard lands at ``r * shard.numel()``)."""
+def all_gather_into(output: torch.Tensor, local_shard: torch.Tensor, group: ProcessGroup,
+                    about: Optional[str] = None) -> "GuardedWork | PairwiseExchange":
+    """Gather equal shards into one flat ``output`` (rank r's shard lands at ``r * shard.numel()``).
+    ``about``: the path of the unit it is for, which a failure names."""
     if _is_gloo_pair(group):
         own, peer = _own_and_peer_chunks(output, local_shard.numel(), group)
         own.copy_(local_shard)
-        return PairwiseExchange(peer, local_shard, group)
-    return _all_gather_single(output, local_shard, group=group, async_op=True)
+        return PairwiseExchange(peer, local_shard, group, "all-gather", about)
+    return _issue(group, "all-gather", local_shard, about,
+                  lambda: _all_gather_single(output, local_shard, group=group, async_op=True))
 
 
-def reduce_scatter_into(output: torch.Tensor, unsharded: torch.Tensor, group: ProcessGroup) -> Union[Work, "PairwiseExchange"]:
+def reduce_scatter_into(output: torch.Tensor, unsharded: torch.Tensor, group: ProcessGroup,
+                        about: Optional[str] = None) -> "GuardedWork | PairwiseExchange":
     """Sum ``unsharded`` over the ranks and keep this rank's chunk in ``output`` (once waited for)."""
     if _is_gloo_pair(group):
         own, peer = _own_and_peer_chunks(unsharded, output.numel(), group)
-        return PairwiseExchange(output, peer, group, add_on_wait=own)
-    return _reduce_scatter_single(output, unsharded, group=group, async_op=True)
+        return PairwiseExchange(output, peer, group, "reduce-scatter", about, add_on_wait=own)
+    return _issue(group, "reduce-scatter", unsharded, about,
+                  lambda: _reduce_scatter_single(output, unsharded, group=group, async_op=True))
 
 
 def _is_gloo_pair(group: ProcessGroup) -> bool:
-    return group_size(group) == 2 and dist.get_backend(group) == dist.Backend.GLOO
+    return group_size(group) == 2 and _is_gloo(group)
+
+
+def _is_gloo(group: ProcessGroup) -> bool:
+    return dist.get_backend(group) == dist.Backend.GLOO
 
 
 def _own_and_peer_chunks(flat: torch.Tensor, chunk: int, group: ProcessGroup) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -79,14 +95,14 @@ class PairwiseExchange:
     bitwise the reduce-scatter's.
     """
 
-    def __init__(self, received: torch.Tensor, send: torch.Tensor, group: ProcessGroup,
-                 add_on_wait: Optional[torch.Tensor] = None) -> None:
+    def __init__(self, received: torch.Tensor, send: torch.Tensor, group: ProcessGroup, op: str,
+                 about: Optional[str], add_on_wait: Optional[torch.Tensor] = None) -> None:
         splits = [0, 0]
         splits[1 - group_rank(group)] = send.numel()
         self._received, self._add_on_wait = received, add_on_wait
-        self._work = dist.all_to_all_single(
+        self._work = _issue(group, op, send, about, lambda: dist.all_to_all_single(
             received, send, output_split_sizes=splits, input_split_sizes=splits, group=group, async_op=True
-        )
+        ))
 
     def wait(self) -> bool:
         self._work.wait()
@@ -95,19 +111,21 @@ class PairwiseExchange:
         return True
 
 
-def all_reduce(tensor: torch.Tensor, group: ProcessGroup) -> Work:
+def all_reduce(tensor: torch.Tensor, group: ProcessGroup, about: Optional[str] = None) -> "GuardedWork":
     """Sum ``tensor`` over the ranks in place."""
-    return dist.all_reduce(tensor, group=group, async_op=True)
+    return _issue(group, "all-reduce", tensor, about, lambda: dist.all_reduce(tensor, group=group, async_op=True))
 
 
-def all_reduce_with(tensor: torch.Tensor, group: ProcessGroup, maximum: bool) -> Work:
+def all_reduce_with(tensor: torch.Tensor, group: ProcessGroup, maximum: bool) -> "GuardedWork":
     """Sum (or, with ``maximum``, take the largest of) ``tensor`` over the ranks in place."""
-    return dist.all_reduce(tensor, op=dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM, group=group, async_op=True)
+    op = dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM
+    return _issue(group, "all-reduce", tensor, None, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True))
 
 
-def broadcast_from_first(tensor: torch.Tensor, group: ProcessGroup) -> Work:
+def broadcast_from_first(tensor: torch.Tensor, group: ProcessGroup) -> "GuardedWork":
     """Overwrite ``tensor`` on every rank with the group's first rank's."""
-    return dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group, async_op=True)
+    source = dist.get_global_rank(group, 0)
+    return _issue(group, "broadcast", tensor, None, lambda: dist.broadcast(tensor, src=source, group=group, async_op=True))
 
 
 def all_to_all(output: torch.Tensor, send: torch.Tensor, output_splits: List[int], send_splits: List[int],
@@ -115,7 +133,8 @@ def all_to_all(output: torch.Tensor, send: torch.Tensor, output_splits: List[int
     """Send ``send``'s consecutive pieces (``send_splits``) to the ranks in order; rank r's piece for
     this rank lands in ``output`` after those of the ranks before it. Synchronous: only the
     state-dict paths use it, between steps."""
-    dist.all_to_all_single(output, send, output_split_sizes=output_splits, input_split_sizes=send_splits, group=group)
+    _issue(group, "all-to-all", send, None, lambda: dist.all_to_all_single(
+        output, send, output_split_sizes=output_splits, input_split_sizes=send_splits, group=group))
 
 
 def device_mesh_of(group: ProcessGroup, device_type: str) -> DeviceMesh:
@@ -126,13 +145,16 @@ def device_mesh_of(group: ProcessGroup, device_type: str) -> DeviceMesh:
 def scatter_from_first(output: torch.Tensor, full: Optional[torch.Tensor], group: ProcessGroup) -> None:
     """Rank r of ``group`` receives the r-th equal chunk of the first rank's ``full`` (None elsewhere)."""
     chunks = list(full.chunk(group_size(group))) if full is not None else None
-    dist.scatter(output, chunks, src=dist.get_global_rank(group, 0), group=group)
+    source = dist.get_global_rank(group, 0)
+    _issue(group, "scatter", output, None, lambda: dist.scatter(output, chunks, src=source, group=group))
 
 
 def broadcast_object_from_first(obj: Any, group: ProcessGroup) -> Any:
     """The first rank's ``obj`` on every rank (small metadata only: it is pickled)."""
     holder = [obj]
-    dist.broadcast_object_list(holder, src=dist.get_global_rank(group, 0), group=group)
+    source = dist.get_global_rank(group, 0)
+    _issue(group, "broadcast of an object", None, None,
+           lambda: dist.broadcast_object_list(holder, src=source, group=group))
     return holder[0]
 
 
@@ -147,5 +169,148 @@ def global_rank() -> int:
 def all_gather_object(obj: Any, group: ProcessGroup) -> List[Any]:
     """Every rank's ``obj``, in group-rank order (small metadata only: it is pickled)."""
     gathered: List[Any] = [None] * group_size(group)
-    dist.all_gather_object(gathered, obj, group=group)
+    _issue(group, "all-gather of an object", None, (), lambda: dist.all_gather_object(gathered, obj, group=group))
     return gathered
+
+
+# ---------------------------------------------------------------------------------------------- health
+class ProcessGroupBroken(RuntimeError):
+    """A collective fsdp1 issued failed, or the ranks were found out of step (a rank abandoned a
+    forward or backward the others finished, or only some ranks called a collective API). The ranks
+    may now wait in collectives that pair with the wrong partners, so every further fsdp1 call on
+    the process group raises this error too. A ``RuntimeError``, as torch's own collective failures,
+    so code that caught those still catches it."""
+
+
+class _Record(NamedTuple):
+    number: int
+    op: str
+    numel: int
+    dtype: Optional[torch.dtype]
+    about: Optional[str]
+
+    def __str__(self) -> str:
+        what = f" of {self.numel} {str(self.dtype).replace('torch.', '')} elements" if self.dtype is not None else ""
+        unit = "" if self.about is None else f" for unit '{self.about}'" if self.about else " for the root unit"
+        return f"collective #{self.number}, {self.op}{what}{unit}"
+
+
+class GroupHealth:
+    """What fsdp1 knows of one process group: how many collectives it issued on it (ranks that run in
+    step issue equally many), the last ``RECENT`` of them (a flight recorder, quoted by the error),
+    and the first failure, after which nothing more is issued. Torch owns the group object, so the
+    health lives beside it in a weak map (``health_of``), shared by every unit on that group."""
+
+    RECENT = 8
+
+    def __init__(self, group: ProcessGroup) -> None:
+        self.rank = dist.get_rank()
+        self.ranks = dist.get_process_group_ranks(group)
+        self.issued = 0
+        self.recent: Deque[_Record] = deque(maxlen=self.RECENT)
+        self.failure: Optional[str] = None
+
+    def issue(self, op: str, tensor: Optional[torch.Tensor], about: Optional[str]) -> _Record:
+        self.raise_if_broken()
+        self.issued += 1
+        numel, dtype = (tensor.numel(), tensor.dtype) if tensor is not None else (0, None)
+        record = _Record(self.issued, op, numel, dtype, about)
+        self.recent.append(record)
+        return record
+
+    def raise_if_broken(self) -> None:
+        if self.failure is not None:
+            raise ProcessGroupBroken(f"fsdp1: this process group broke earlier, so nothing more runs on it. {self.failure}")
+
+    def fail(self, what: str, error: BaseException) -> ProcessGroupBroken:
+        """Mark the group broken by ``what`` and return the error to raise (chained to ``error``)."""
+        recent = "; ".join(str(record) for record in self.recent) or "none"
+        others = [rank for rank in self.ranks if rank != self.rank]
+        missing = f"; rank(s) {others} did not take part in time" if "timed out" in str(error).lower() else ""
+        self.failure = (
+            f"{what} failed on rank {self.rank} (process group of ranks {self.ranks}{missing}): "
+            f"{type(error).__name__}: {str(error).strip()[:600]}\nThe ranks are no longer in step, so every further fsdp1 call on this "
+            "process group raises this error. Find the rank that failed or stopped first (run under torchrun "
+            "with @record for its traceback), then restart from the last complete checkpoint "
+            f"(fsdp1.checkpoint.latest). The last collectives this rank issued here: {recent}."
+        )
+        return ProcessGroupBroken(f"fsdp1: {self.failure}")
+
+
+_health: "weakref.WeakKeyDictionary[ProcessGroup, GroupHealth]" = weakref.WeakKeyDictionary()
+
+
+def health_of(group: ProcessGroup) -> GroupHealth:
+    health = _health.get(group)
+    if health is None:
+        health = _health[group] = GroupHealth(group)
+    return health
+
+
+class GuardedWork:
+    """A collective's ``Work`` whose failure marks its group broken and raises ``ProcessGroupBroken``."""
+
+    def __init__(self, work: Work, health: GroupHealth, record: _Record) -> None:
+        self._work, self._health, self._record = work, health, record
+
+    def wait(self) -> bool:
+        try:
+            self._work.wait()
+        except Exception as error:
+            raise self._health.fail(f"The {self._record}", error) from error
+        return True
+
+
+def _issue(group: ProcessGroup, op: str, tensor: Optional[torch.Tensor], about: Optional[str],
+           start: Callable[[], Optional[Work]]) -> Optional[GuardedWork]:
+    """Issue one collective on a healthy group: an asynchronous one comes back guarded; a failure at
+    issue (or of a synchronous one) breaks the group at once."""
+    health = health_of(group)
+    record = health.issue(op, tensor, about)
+    try:
+        work = start()
+    except Exception as error:
+        raise health.fail(f"The {record}", error) from error
+    return GuardedWork(work, health, record) if work is not None else None
+
+
+def check_in_step(group: ProcessGroup, reached: str, remedy: str) -> None:
+    """Every rank of ``group`` reached ``reached`` having issued as many fsdp1 collectives on it, or
+    ``ProcessGroupBroken`` on each rank that got here. On gloo a monitored barrier comes first: it
+    pairs with nothing but itself, so a rank that is elsewhere, waiting in another collective or not
+    calling at all, is named after the group's timeout instead of silently pairing with whatever
+    this rank issues next. (Other backends have no such barrier; there the counts are compared
+    directly.)"""
+    health = health_of(group)
+    health.raise_if_broken()
+    if group_size(group) == 1:
+        return
+    issued = health.issued
+    if _is_gloo(group):
+        try:
+            group.monitored_barrier(_timeout_of(group), wait_all_ranks=True)
+        except Exception as error:
+            raise health.fail(f"Not every rank reached {reached} ({remedy});", error) from error
+    counts = all_gather_object(issued, group)
+    if len(set(counts)) > 1:
+        by_rank = ", ".join(f"rank {rank}: {count}" for rank, count in zip(health.ranks, counts))
+        raise health.fail(
+            f"The ranks reached {reached} out of step ({remedy});",
+            RuntimeError(f"they had issued different numbers of fsdp1 collectives on this group ({by_rank})"),
+        )
+
+
+def check_every_rank_calls(group: ProcessGroup, api: str) -> None:
+    """Before the collectives of ``api`` (a state dict, ``summon_full_params``): a call on some ranks
+    only, such as ``state_dict()`` under ``if rank == 0``, becomes ``ProcessGroupBroken`` naming the
+    ranks that did not come, instead of a hang or a crash deep in a collective."""
+    check_in_step(group, f"{api}", f"{api} is a collective: call it on every rank, and keep its result "
+                  "on rank 0 only if only rank 0 needs it")
+
+
+def _timeout_of(group: ProcessGroup) -> timedelta:
+    """The group's own timeout (init_process_group(timeout=...)); torch keeps it on the backend's options."""
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        return dist.distributed_c10d.default_pg_timeout

@@ -133,7 +133,7 @@ class GradReduction:
     """A gradient reduce-scatter (or all-reduce) in flight for one handle."""
 
     handle: "FlatParamHandle"
-    work: "Optional[comm.Work | comm.PairwiseExchange]"  # None: a comm hook finished it already
+    work: "Optional[comm.GuardedWork | comm.PairwiseExchange]"  # None: a comm hook finished it already
     unsharded_grad: torch.Tensor  # kept alive until the collective has read it
     reduced: torch.Tensor
 
@@ -142,7 +142,7 @@ class GradReduction:
             self.work.wait()
         replicate_group = self.handle.replicate_group
         if replicate_group is not None:
-            comm.all_reduce(self.reduced, replicate_group).wait()
+            comm.all_reduce(self.reduced, replicate_group, self.handle.unit_path).wait()
         self.handle._accumulate_reduced_grad(self.reduced)
 
 
@@ -163,7 +163,12 @@ class FlatParamHandle(ShardConversions):
     handle gives them storage inside the unsharded flat buffer on ``device`` and calls it with the
     new parameters' slots to fill them there (``reset_parameters``, then ``sync_module_states``), so
     that construction never holds the unit's parameters twice.
+
+    ``unit_path`` is the unit's clean path under its root, learnt when the root first runs, so that
+    a failed collective names the unit it was for.
     """
+
+    unit_path: Optional[str] = None
 
     def __init__(
         self,
@@ -236,7 +241,7 @@ class FlatParamHandle(ShardConversions):
         if self._needs_unshard:
             self._free_unsharded()
         self.training_state = HandleTrainingState.IDLE
-        self._gather_work: "Optional[comm.Work | comm.PairwiseExchange]" = None
+        self._gather_work: "Optional[comm.GuardedWork | comm.PairwiseExchange]" = None
         self._backward_started = False  # this backward has moved the optimizer's gradient aside
         self._grad_before_backward: Optional[torch.Tensor] = None  # sharded gradient of earlier backwards
         self._grad_this_backward: Optional[torch.Tensor] = None  # this backward's reduced gradient
@@ -411,7 +416,7 @@ class FlatParamHandle(ShardConversions):
             self.state = HandleState.UNSHARDED
             return
         source = self._local_shard.to(device=target.device, dtype=target.dtype, non_blocking=True)
-        self._gather_work = comm.all_gather_into(target, source, self.group)
+        self._gather_work = comm.all_gather_into(target, source, self.group, self.unit_path)
         self.state = HandleState.UNSHARDING
 
     def wait_unshard(self) -> None:
@@ -423,8 +428,11 @@ class FlatParamHandle(ShardConversions):
             self.flat_param.data = self._unsharded_buffer
 
     def _finish_gather(self) -> None:
-        self._gather_work.wait()
-        self._gather_work = None
+        """Wait for the all-gather once: a failed one is not waited for again by the reshard that
+        undoes the aborted forward."""
+        work, self._gather_work = self._gather_work, None
+        if work is not None:
+            work.wait()
 
     def use_unsharded_views(self) -> Optional[torch.autograd.graph.Node]:
         """Give the module views of the unsharded flat parameter, made under the caller's grad mode so
@@ -516,13 +524,15 @@ class FlatParamHandle(ShardConversions):
         waited for is finished first, so the collective never writes into freed storage."""
         if self.state is HandleState.SHARDED:
             return
-        if self.state is HandleState.UNSHARDING:
-            self._finish_gather()
-        if not self._needs_unshard:
-            self.use_resting_views()
-            return
-        self.flat_param.data = self._local_shard
-        self._free_unsharded()
+        try:
+            if self.state is HandleState.UNSHARDING:
+                self._finish_gather()
+        finally:  # a failed gather still leaves the handle sharded
+            if not self._needs_unshard:
+                self.use_resting_views()
+            else:
+                self.flat_param.data = self._local_shard
+                self._free_unsharded()
 
     def _free_unsharded(self) -> None:
         if self._unsharded_buffer is not self._local_shard:
@@ -804,9 +814,9 @@ class FlatParamHandle(ShardConversions):
         if self._pre_divide > 1:
             grad.div_(self._pre_divide)
         if self.is_sharded:
-            work = comm.reduce_scatter_into(reduced, grad, self.group)
+            work = comm.reduce_scatter_into(reduced, grad, self.group, self.unit_path)
         else:
-            work = comm.all_reduce(grad, self.group)
+            work = comm.all_reduce(grad, self.group, self.unit_path)
         return GradReduction(self, work, grad, reduced)
 
     @property

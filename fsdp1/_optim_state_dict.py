@@ -22,7 +22,7 @@ from . import _collectives as comm
 from ._flat_param import FlatParamHandle
 from ._shard_conversions import piece_in_shard
 from ._state_dict import _dim0_chunk, _effective_type, get_state_dict_type, rows_as_dtensors, state_dict_type
-from ._traversal import clean_fqn, unit_paths
+from ._traversal import clean_fqn, fsdp_units, unit_paths
 from .api import FullOptimStateDictConfig, StateDictType
 
 if TYPE_CHECKING:
@@ -82,6 +82,12 @@ class OptimizerParams:
             )
 
 
+def _check_every_rank_calls(model: nn.Module, api: str) -> None:
+    units = fsdp_units(model)
+    if units:
+        comm.check_every_rank_calls(units[0].process_group, api)
+
+
 # ---------------------------------------------------------------------------------------- saving
 def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: Optional[State] = None) -> State:
     """The optimizer's state by clean parameter name in the model's state-dict type. Collective.
@@ -90,6 +96,7 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_state
     settings = get_state_dict_type(model)
     if settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
         return fresh_state_template(optim) if optim_state_dict is None else optim_state_dict
+    _check_every_rank_calls(model, "optim_state_dict()")
     params = OptimizerParams(model, _params_of(optim))
     if optim_state_dict is None:
         optim_state_dict = optim.state_dict() if _stepped_on_any_rank(params, optim) else fresh_state_template(optim)
@@ -237,6 +244,7 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, opt
     if kind is StateDictType.LOCAL_STATE_DICT:
         result = optim_state_dict
     else:
+        _check_every_rank_calls(model, "optim_state_dict_to_load()")
         from_rank0 = kind is StateDictType.FULL_STATE_DICT and getattr(settings.optim_state_dict_config, "rank0_only", False)
         mode = "sharded" if kind is StateDictType.SHARDED_STATE_DICT else "rank0" if from_rank0 else "full"
         result = _to_load(model, optim, optim_state_dict or {}, mode)

@@ -151,7 +151,12 @@ class RootState:
     def __init__(self, root: "Unit") -> None:
         self.units: List["Unit"] = fsdp_units(root)
         self.unit_paths: Dict["Unit", str] = unit_paths(root)
+        for unit in self.units:
+            if unit._handle is not None:
+                unit._handle.unit_path = self.unit_paths.get(unit, "")
         self.is_final_callback_queued = False
+        self.is_unchecked_after_abort = False
+        self.process_group = root.process_group
         self.order = ExecutionOrder()
         self.buffers = BufferPrecision(self.units)
         self._reductions: Deque[GradReduction] = deque()
@@ -192,12 +197,40 @@ class RootState:
     def recover(self) -> None:
         """Undo what an aborted forward or backward left, so that the next iteration trains as if it
         had never started (issue 7): reductions in flight are finished and dropped, gradients are
-        those from before it, every unit is sharded and IDLE. A failed *collective* is not this case."""
+        those from before it, every unit is sharded and IDLE. A failed *collective* is not this case.
+
+        The next forward first checks that the ranks are in step (``check_after_abort``)."""
+        failures = []
         while self._reductions:
-            self._reductions.popleft().work.wait()
-        for unit in self.units:
-            _reset_unit(unit)
+            failures.append(_failure_of(self._reductions.popleft().work.wait))
+        failures.extend(_failure_of(partial(_reset_unit, unit)) for unit in self.units)
         self.is_final_callback_queued = False
+        failure = next((f for f in failures if f is not None), None)
+        if failure is not None:
+            raise failure
+        self.is_unchecked_after_abort = True
+
+    def check_after_abort(self) -> None:
+        """Before the first collective after an aborted iteration, check that every rank aborted it at
+        the same point (issue 14): an exception on one rank only leaves the others waiting in a
+        collective this rank would pair with its next iteration's (silently, when the shapes agree),
+        so that case becomes ``ProcessGroupBroken`` on every rank, after the group's timeout at most.
+        Not at the abort itself: an exception nobody catches ends the process at once, as it should."""
+        self.is_unchecked_after_abort = False
+        comm.check_in_step(
+            self.process_group, "fsdp1's check after an exception escaped a forward or backward",
+            "an exception on some ranks only leaves the others in collectives this rank abandoned: skip a "
+            "batch on every rank or on none",
+        )
+
+
+def _failure_of(call: Callable[[], Any]) -> Optional[Exception]:
+    """Run ``call``; what it raised, so that a recovery undoes everything before raising the first."""
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001 - raised by the caller once every unit is reset
+        return error
+    return None
 
 
 def _reset_unit(unit: "Unit") -> None:
@@ -318,8 +351,11 @@ def pre_forward(
         lazy_init(unit)
         state = unit._root_state
         if unit._is_root:
+            comm.health_of(state.process_group).raise_if_broken()
             if not state.is_clean() and not _inside_backward():
                 state.recover()
+            if state.is_unchecked_after_abort and not _inside_backward():
+                state.check_after_abort()
             state.order.start_forward()
             for member in state.units:
                 if member._handle is not None:

@@ -291,6 +291,7 @@ def _pre_load_state_dict(
 ) -> None:
     _check_idle(unit, "load_state_dict")
     if FSDP_WRAPPED_MODULE not in prefix.split("."):  # the first unit of this load: check its subtree
+        comm.check_every_rank_calls(unit.process_group, "load_state_dict()")
         problem = _check_subtree(unit, state_dict, prefix, bool(unit._load_is_strict))
         _agree_on(unit, prefix, problem)
     loaded: Set[str] = set()

@@ -40,6 +40,8 @@ def summon_full_params(
         )
     units = fsdp_units(module) if recurse else ([module] if is_fsdp_unit(module) else [])
     _check_idle(module, units)
+    if units:
+        comm.check_every_rank_calls(units[0].process_group, "summon_full_params()")
     adopt_replaced_flat_params(module)
     expose = not rank0_only or comm.global_rank() == 0
     with contextlib.ExitStack() as stack:

@@ -133,6 +133,7 @@ def save(state_dict: Dict[str, Any], path: PathLike) -> None:
     part: a save that fails or dies leaves at most a ``<path>.partial-*`` staging directory, which
     ``latest`` and ``load`` never take."""
     group = comm.default_group()
+    comm.check_every_rank_calls(group, "fsdp1.checkpoint.save()")
     path = Path(path)
     first_path = comm.broadcast_object_from_first(str(path), group)
     _agree(None if first_path == str(path) else (CheckpointError, f"given '{path}', rank 0 '{first_path}'"),
@@ -267,6 +268,7 @@ def load(state_dict: Dict[str, Any], path: PathLike) -> None:
     manifest first (the ranks share the reading); any problem raises on every rank before a tensor
     is touched."""
     group = comm.default_group()
+    comm.check_every_rank_calls(group, "fsdp1.checkpoint.load()")
     path = Path(path)
     rank, world_size = comm.group_rank(group), comm.group_size(group)
     problem: Problem = None

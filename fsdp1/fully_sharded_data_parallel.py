@@ -250,6 +250,8 @@ class FullyShardedDataParallel(nn.Module):
     def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
         """``nn.Module.state_dict`` in the form ``state_dict_type`` set (FULL by default), under the
         unwrapped model's names. Collective: every rank must call it."""
+        if FSDP_WRAPPED_MODULE not in kwargs.get("prefix", "").split("."):  # not a nested unit's part of a call
+            comm.check_every_rank_calls(self.process_group, "state_dict()")
         with _state_dict.saving(self):
             return super().state_dict(*args, **kwargs)
 
