@@ -5,7 +5,7 @@ TORCH ?= torch==2.13.0
 TORCHRUN = OMP_NUM_THREADS=1 $(PYTHON) -m torch.distributed.run --standalone --nproc-per-node 2
 MIGRATION = examples/ddp_to_fsdp1
 
-.PHONY: test train migrate accelerate-example benchmark install install-examples
+.PHONY: test fuzz train migrate accelerate-example benchmark install install-examples
 
 install:
 	$(PYTHON) -m pip install -q "$(TORCH)" -e ".[test]"
@@ -16,6 +16,10 @@ install-examples:
 
 test: install
 	$(PYTHON) -m pytest -q tests
+
+# The fuzzer beyond CI's 30 cases (about 3 s a case); a failure is shrunk to a minimal case.
+fuzz: install
+	FSDP1_FUZZ_EXAMPLES=500 FSDP1_FUZZ_SHRINK=1 $(PYTHON) -m pytest -q tests/test_fuzz.py
 
 train: install-examples
 	$(TORCHRUN) examples/train_gpt.py

@@ -4,6 +4,7 @@
 """
 
 from . import comm_hooks, sharded_grad_scaler  # noqa: F401 - fsdp1.comm_hooks, fsdp1.sharded_grad_scaler
+from ._collectives import ProcessGroupBroken  # noqa: F401 - fsdp1's own, so not in torch's __all__
 from ._flat_param import FlatParameter  # noqa: F401 - importable, not in __all__, as in torch
 from .api import (
     BackwardPrefetch,

@@ -69,6 +69,9 @@ class TrainingState(Enum):
     SUMMON_FULL_PARAMS = auto()
 
 
+_AT_REST = (TrainingState.IDLE, TrainingState.SUMMON_FULL_PARAMS)  # no forward or backward under way
+
+
 class ExecutionOrder:
     """The order units ran forward, from which the next unit to prefetch is read.
 
@@ -192,7 +195,7 @@ class RootState:
     def is_clean(self) -> bool:
         """True unless a forward or backward raised part-way: then some unit is not IDLE, or the
         backward queued its final callback and never ran it."""
-        return not self.is_final_callback_queued and all(u.training_state is TrainingState.IDLE for u in self.units)
+        return not self.is_final_callback_queued and all(u.training_state in _AT_REST for u in self.units)
 
     def recover(self) -> None:
         """Undo what an aborted forward or backward left, so that the next iteration trains as if it
@@ -234,7 +237,11 @@ def _failure_of(call: Callable[[], Any]) -> Optional[Exception]:
 
 
 def _reset_unit(unit: "Unit") -> None:
-    """The unit sharded, IDLE and awaiting nothing, its gradients as before the aborted call."""
+    """The unit sharded, IDLE and awaiting nothing, its gradients as before the aborted call; a unit
+    inside ``summon_full_params`` (a forward there is refused before it starts) belongs to the
+    context, which restores it on exit."""
+    if unit.training_state is TrainingState.SUMMON_FULL_PARAMS:
+        return
     if unit._handle is not None:
         unit._handle.abandon_backward()
     unit.training_state = TrainingState.IDLE

@@ -28,8 +28,10 @@ import zlib
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
+import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 
 from . import _collectives as comm
 
@@ -49,6 +51,10 @@ class CheckpointIncomplete(CheckpointError):
 
 class CheckpointCorrupted(CheckpointError):
     """A file differs from what the manifest recorded (size or checksum), or the manifest itself."""
+
+
+class CheckpointNonFinite(CheckpointError):
+    """``load(validate_finite=True)`` found an Inf or NaN in a loaded floating-point value."""
 
 
 class CheckpointExists(CheckpointError):
@@ -98,26 +104,46 @@ def _agree(problem: Problem, what: str, path: Path) -> None:
 
 
 class _Lock:
-    """``<path>.lock``, created exclusively by rank 0 for the length of a save, holding who took it."""
+    """``<path>.lock``, created exclusively by rank 0 for the length of a save, holding who took it.
+    A lock left by a process of this host that is gone (a job killed mid-save, then restarted by
+    torchrun) is taken over; one of another host cannot be checked, so it is refused."""
 
     def __init__(self, path: Path) -> None:
         self.file = path.with_name(path.name + ".lock")
-        self.holder = f"host {socket.gethostname()} pid {os.getpid()}"
+        self.host = socket.gethostname()
+        self.holder = f"host {self.host} pid {os.getpid()}"
 
     def acquire(self) -> Optional[str]:
         """None, or why the lock is not ours."""
-        try:
-            fd = os.open(self.file, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
+        for _ in range(2):
             try:
-                holder = self.file.read_text() or "unknown"
-            except OSError:
-                holder = "unknown"
-            return (f"another save holds {self.file} ({holder}); wait for it, or delete the file if that "
-                    "process is gone")
-        with os.fdopen(fd, "w") as f:
-            f.write(self.holder)
-        return None
+                fd = os.open(self.file, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                try:
+                    holder = self.file.read_text() or "unknown"
+                except OSError:
+                    holder = "unknown"
+                if not self._left_by_a_dead_process(holder):
+                    return (f"another save holds {self.file} ({holder}); wait for it, or delete the file if "
+                            "that process is gone")
+                self.file.unlink(missing_ok=True)
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(self.holder)
+            return None
+        return f"{self.file} was taken again while a stale lock was being replaced"
+
+    def _left_by_a_dead_process(self, holder: str) -> bool:
+        host, _, pid = holder.removeprefix("host ").rpartition(" pid ")
+        if host != self.host or not pid.isdigit():
+            return False
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
 
     def release(self) -> None:
         self.file.unlink(missing_ok=True)
@@ -262,11 +288,13 @@ def _check_file(path: Path, name: str, recorded: Dict[str, int]) -> Optional[str
     return None
 
 
-def load(state_dict: Dict[str, Any], path: PathLike) -> None:
+def load(state_dict: Dict[str, Any], path: PathLike, validate_finite: bool = False) -> None:
     """Fill ``state_dict`` (templates, as ``torch.distributed.checkpoint.load`` takes them) from the
     committed checkpoint at ``path``, on any number of ranks. Every file is checked against the
     manifest first (the ranks share the reading); any problem raises on every rank before a tensor
-    is touched."""
+    is touched. ``validate_finite``: then every loaded floating-point value is checked, and an Inf or
+    NaN raises ``CheckpointNonFinite`` on every rank naming the key, before the caller loads the
+    values into a model (a checksum proves the bytes are those saved, not that they were sane)."""
     group = comm.default_group()
     comm.check_every_rank_calls(group, "fsdp1.checkpoint.load()")
     path = Path(path)
@@ -283,6 +311,28 @@ def load(state_dict: Dict[str, Any], path: PathLike) -> None:
     except CheckpointException as error:
         problem = _own_failure(error, rank)
     _agree(problem, "loading", path)
+    if validate_finite:
+        found = _first_non_finite(state_dict, "")
+        _agree((CheckpointNonFinite, found) if found else None, "checking the values loaded from", path)
+
+
+def _first_non_finite(tree: Dict[str, Any], prefix: str) -> Optional[str]:
+    """The first key (dotted through nested dicts) whose floating-point value (this rank's part of a
+    DTensor) is not all finite, described."""
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            found = _first_non_finite(value, name + ".")
+            if found:
+                return found
+        elif isinstance(value, torch.Tensor) and value.is_floating_point():
+            local = value.to_local() if isinstance(value, DTensor) else value
+            bad = ~torch.isfinite(local)
+            if bad.any():
+                first = int(bad.flatten().nonzero()[0])
+                return (f"'{name}' holds {int(bad.sum())} non-finite value(s), the first "
+                        f"{local.flatten()[first].item()} at flat index {first} of this rank's part")
+    return None
 
 
 def _own_failure(error: CheckpointException, rank: int) -> Problem:

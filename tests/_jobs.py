@@ -56,7 +56,7 @@ def _free_port() -> int:
 
 
 def run_job(tmp_path: Path, body: str, nproc: int = 2, torchrun: bool = True, timeout_s: float = 60,
-            pg_timeout_s: float = 3, torchrun_args: tuple = ()) -> Job:
+            pg_timeout_s: float = 3, torchrun_args: tuple = (), env: Optional[Dict[str, str]] = None) -> Job:
     """Run ``body`` on ``nproc`` ranks, under torchrun or (``torchrun=False``) as plain processes that
     find each other through MASTER_ADDR/PORT with no agent to stop the others when one fails."""
     out = tmp_path / f"job-{time.monotonic_ns()}"
@@ -64,7 +64,7 @@ def run_job(tmp_path: Path, body: str, nproc: int = 2, torchrun: bool = True, ti
     script = out / "job.py"
     script.write_text(PREAMBLE.format(tests=str(Path(__file__).parent), out=str(out), pg_timeout_s=pg_timeout_s)
                       + textwrap.dedent(body))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     if torchrun:
         commands = [([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                       *torchrun_args, str(script)], env)]

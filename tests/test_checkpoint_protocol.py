@@ -371,3 +371,124 @@ def test_a_rank_killed_at_step_6_restarts_from_the_last_checkpoint_and_continues
     resumed = runs[True]["losses-1.json"]
     assert list(resumed) == [str(step) for step in range(6, 10)]
     assert resumed == {step: straight[step] for step in resumed}
+
+
+def _stale_lock(root):
+    """A lock left by a process of this host that is gone (a save killed, the job restarted)."""
+    import socket
+
+    from fsdp1 import checkpoint
+
+    model, optim = _trained()
+    target = Path(root) / "step_000002"
+    if dist.get_rank() == 0:
+        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+        target.with_name("step_000002.lock").write_text(f"host {socket.gethostname()} pid {dead.stdout.strip()}")
+    dist.barrier()
+    checkpoint.save(_state(model, optim), target)
+    return checkpoint.is_committed(target), sorted(p.name for p in Path(root).iterdir())
+
+
+def test_a_lock_left_by_a_dead_process_of_this_host_is_taken_over(tmp_path):
+    for committed, names in run_on_ranks(2, _stale_lock, str(tmp_path)):
+        assert committed and names == ["step_000002"]
+
+
+def _save_for_resharding(root):
+    from fsdp1 import checkpoint
+
+    model, optim = _trained()
+    checkpoint.save(_state(model, optim), Path(root) / "step_000002")
+    return _full(model), _full_optim(model, optim)
+
+
+def _full_optim(model, optim):
+    with fsdp1.FullyShardedDataParallel.state_dict_type(model, fsdp1.StateDictType.FULL_STATE_DICT):
+        state = fsdp1.FullyShardedDataParallel.optim_state_dict(model, optim)["state"]
+    return {(fqn, name): value.clone() for fqn, entry in state.items() for name, value in entry.items()
+            if torch.is_tensor(value)}
+
+
+def _load_resharded(root):
+    model, optim = _trained(seed=7, steps=0)
+    from fsdp1 import checkpoint
+
+    state = _state(model, optim)
+    checkpoint.load(state, Path(root) / "step_000002")
+    with fsdp1.FullyShardedDataParallel.state_dict_type(model, fsdp1.StateDictType.SHARDED_STATE_DICT):
+        model.load_state_dict(state["model"])
+        optim.load_state_dict(fsdp1.FullyShardedDataParallel.optim_state_dict_to_load(model, optim, state["optim"]))
+    return _full(model), _full_optim(model, optim)
+
+
+@pytest.mark.parametrize("world_size", [1, 3, 4])
+def test_a_checkpoint_saved_on_2_ranks_loads_bitwise_on_another_number(world_size, tmp_path):
+    """reliability.md C9: model and Adam state saved at 2 ranks, loaded at 1, 3 and 4."""
+    saved_params, saved_optim = run_on_ranks(2, _save_for_resharding, str(tmp_path))[0]
+    for params, optim_state in run_on_ranks(world_size, _load_resharded, str(tmp_path)):
+        assert params.keys() == saved_params.keys() and optim_state.keys() == saved_optim.keys()
+        assert all(torch.equal(params[k], saved_params[k]) for k in params)
+        assert all(torch.equal(optim_state[k], saved_optim[k]) for k in optim_state)
+
+
+def _non_finite(root):
+    from fsdp1 import checkpoint
+
+    model, optim = _trained()
+    state = _state(model, optim)
+    if dist.get_rank() == 1:
+        state["optim"]["state"]["blocks.1.fc.weight"]["exp_avg"].to_local()[0, 0] = float("nan")
+    checkpoint.save(state, Path(root) / "step_000002")
+    checked = _error_of(lambda: checkpoint.load(_state(*_trained(seed=7, steps=0)), Path(root) / "step_000002",
+                                                validate_finite=True))
+    unchecked = _error_of(lambda: checkpoint.load(_state(*_trained(seed=7, steps=0)), Path(root) / "step_000002"))
+    return checked, unchecked
+
+
+def test_a_non_finite_value_is_named_on_every_rank_when_asked(tmp_path):
+    """reliability.md N3: ``load(validate_finite=True)`` names the key holding a NaN on every rank."""
+    for (kind, message), unchecked in run_on_ranks(2, _non_finite, str(tmp_path)):
+        assert kind == "CheckpointNonFinite" and unchecked is None
+        assert "'optim.state.blocks.1.fc.weight.exp_avg' holds 1 non-finite value(s), the first nan" in message
+
+
+DIES_WHILE_COMMITTING = '''
+import os, sys, torch, torch.distributed as dist
+sys.path.insert(0, {tests!r})
+import fsdp1
+from fsdp1 import checkpoint
+from _models import adam, make_gpt, train_steps, wrap_fsdp1
+dist.init_process_group("gloo")
+model = wrap_fsdp1(make_gpt()); optim = adam(model.parameters())
+def state():
+    with fsdp1.FullyShardedDataParallel.state_dict_type(model, fsdp1.StateDictType.SHARDED_STATE_DICT):
+        return {{"model": model.state_dict(), "optim": fsdp1.FullyShardedDataParallel.optim_state_dict(model, optim)}}
+train_steps(model, optim, 0, 1)
+checkpoint.save(state(), {root!r} + "/step_000001")
+train_steps(model, optim, 1, 1)
+original = checkpoint._seal
+def seal_then_die(directory, files):
+    original(directory, files)
+    os._exit(17)  # rank 0, with the manifest written in the staging directory, before the rename
+checkpoint._seal = seal_then_die
+checkpoint.save(state(), {root!r} + "/step_000002")
+'''
+
+
+def test_rank_0_killed_while_committing_leaves_the_last_committed_checkpoint_latest(tmp_path):
+    """reliability.md C3: rank 0 dies after sealing the staging directory, before renaming it: the
+    sealed staging directory is still no checkpoint, and the first one stays latest."""
+    from fsdp1 import checkpoint
+
+    script = tmp_path / "job.py"
+    script.write_text(DIES_WHILE_COMMITTING.format(tests=str(Path(__file__).parent), root=str(tmp_path / "ckpt")))
+    job = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(script)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert job.returncode != 0
+    names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    staged = [tmp_path / "ckpt" / name for name in names if name.startswith("step_000002.partial-")]
+    assert "step_000002" not in names and len(staged) == 1 and checkpoint.is_committed(staged[0])
+    assert checkpoint.latest(tmp_path / "ckpt").name == "step_000001" and checkpoint.verify(tmp_path / "ckpt" / "step_000001")
+    with pytest.raises(checkpoint.CheckpointIncomplete, match="not a committed checkpoint"):
+        checkpoint.verify(staged[0])

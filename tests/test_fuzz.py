@@ -1,0 +1,105 @@
+"""Fuzzes fsdp1 with hypothesis (issue 14; reliability.md §4): random module trees (tied weights,
+frozen layers, buffers, unused layers, parameters with no elements, fewer rows than ranks) × wrap
+policies × world sizes 1–4 × options × programs of everyday and misuse calls. Each case runs on
+fresh processes with a hard deadline (``_fuzz.run_case``). Every case must either match one process
+over the global batch (losses, clip norms, summoned and final parameters) on every rank, or raise
+the same fsdp1 error on every rank; a hang, a crash, a rank that alone raised, or a different number
+fails. 30 cases here (the same 30 every run); ``make fuzz`` runs 500 and shrinks a failure.
+"""
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from _fuzz import replay, run_case
+
+EXAMPLES = int(os.environ.get("FSDP1_FUZZ_EXAMPLES", "30"))
+# Shrinking a failure to a minimal case reruns it hundreds of times (minutes): on demand only.
+PHASES = [Phase.explicit, Phase.generate] + ([Phase.shrink] if os.environ.get("FSDP1_FUZZ_SHRINK") else [])
+
+widths = st.integers(1, 6)
+
+
+def blocks(depth: int):
+    leaf = st.one_of(
+        st.fixed_dictionaries({"k": st.just("linear"), "out": widths, "bias": st.booleans(),
+                               "frozen": st.sampled_from([False, False, False, True])}),
+        st.fixed_dictionaries({"k": st.just("norm")}),
+        st.fixed_dictionaries({"k": st.just("tied")}),
+        st.fixed_dictionaries({"k": st.just("unused"), "out": widths}),
+        st.fixed_dictionaries({"k": st.just("buffer"), "persistent": st.booleans()}),
+    )
+    if depth == 0:
+        return st.lists(leaf, min_size=1, max_size=3)
+    nested = st.fixed_dictionaries({"k": st.just("seq"), "blocks": blocks(depth - 1)})
+    return st.lists(st.one_of(leaf, nested), min_size=1, max_size=3)
+
+
+wrap_policies = st.one_of(
+    st.just({"policy": "none"}),
+    st.fixed_dictionaries({"policy": st.just("classes"), "classes": st.lists(
+        st.sampled_from(["Linear", "Sequential", "LayerNorm", "Tied", "Unused", "Buffered"]), min_size=1, max_size=3,
+        unique=True)}),
+    st.fixed_dictionaries({"policy": st.just("size"), "min_params": st.integers(1, 64)}),
+)
+
+EVERYDAY = ["step", "step", "step", "clip", "metric_between", "no_sync", "eval", "sd_full", "sd_sharded", "summon"]
+MISUSE = ["nested_summon", "forward_in_summon", "sd_rank0_only"]
+programs = st.lists(st.sampled_from(EVERYDAY), min_size=1, max_size=5).flatmap(
+    lambda ops: st.one_of(st.just(ops), st.sampled_from(MISUSE).map(lambda bad: ops + [bad, "step"]))
+    if len(ops) > 3 else st.just(ops))
+
+cases = st.fixed_dictionaries({
+    "seed": st.integers(0, 1000),
+    "world_size": st.sampled_from([1, 2, 2, 2, 3, 4]),
+    "model": st.fixed_dictionaries({"width": widths, "vocab": st.sampled_from([0, 0, 5]), "blocks": blocks(2)}),
+    "wrap": wrap_policies,
+    "options": st.fixed_dictionaries({
+        "use_orig_params": st.booleans(), "sharding": st.sampled_from(["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]),
+        "sync_module_states": st.booleans(), "momentum": st.sampled_from([0.0, 0.9]),
+    }),
+    "program": programs,
+})
+
+
+def _close(ours, expected, where):
+    if isinstance(expected, dict):
+        assert sorted(ours) == sorted(expected), (where, sorted(ours), sorted(expected))
+        for key in expected:
+            _close(ours[key], expected[key], f"{where}[{key!r}]")
+    elif isinstance(expected, str):
+        assert ours == expected, (where, ours)
+    elif isinstance(expected, list):
+        torch.testing.assert_close(torch.tensor(ours, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64),
+                                   rtol=1e-5, atol=1e-6, msg=lambda m: f"{where}: {m}")
+    else:
+        torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where}: {m}")
+
+
+def check(case):
+    result = run_case(case)
+    assert "hang" not in result and "crash" not in result, (case, result)
+    outcomes = result["outcomes"]
+    errors = [outcome.get("error") for outcome in outcomes]
+    if any(errors):
+        assert all(errors) and len(set(errors)) == 1, ("not every rank raised the same error", case, outcomes)
+        assert all(outcome["message"].startswith("fsdp1") for outcome in outcomes), (case, outcomes)
+        return
+    expected = replay(case)
+    for rank, outcome in enumerate(outcomes):
+        ours = outcome["ok"]
+        assert len(ours["seen"]) == len(expected["seen"][rank]), (case, ours["seen"], expected["seen"][rank])
+        for index, (got, want) in enumerate(zip(ours["seen"], expected["seen"][rank])):
+            _close(got, want, f"rank {rank}, value {index} seen in {case}")
+        _close(ours["final"], expected["final"], f"rank {rank}, final parameters of {case}")
+
+
+@pytest.mark.filterwarnings("ignore")
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None, phases=PHASES,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(cases)
+def test_every_case_matches_one_process_or_raises_the_same_named_error_on_every_rank(case):
+    check(case)
