@@ -10,7 +10,9 @@ Every collective goes through ``_issue``, which counts it per process group and 
 next collectives with the wrong partners (issue 14), and ``check_in_step`` compares the counts.
 """
 
+import os
 import weakref
+import zlib
 from collections import deque
 from datetime import timedelta
 from typing import Any, Callable, Deque, List, NamedTuple, Optional, Tuple
@@ -72,6 +74,11 @@ def reduce_scatter_into(output: torch.Tensor, unsharded: torch.Tensor, group: Pr
 
 def _is_gloo_pair(group: ProcessGroup) -> bool:
     return group_size(group) == 2 and _is_gloo(group)
+
+
+def is_fake(group: ProcessGroup) -> bool:
+    """A fake group (the memory estimator's): its collectives move no data."""
+    return dist.get_backend(group) == "fake"
 
 
 def _is_gloo(group: ProcessGroup) -> bool:
@@ -267,11 +274,38 @@ def _issue(group: ProcessGroup, op: str, tensor: Optional[torch.Tensor], about: 
     issue (or of a synchronous one) breaks the group at once."""
     health = health_of(group)
     record = health.issue(op, tensor, about)
+    if COMPARE_EVERY_COLLECTIVE:
+        _compare_fingerprints(group, health, record)
     try:
         work = start()
     except Exception as error:
         raise health.fail(f"The {record}", error) from error
     return GuardedWork(work, health, record) if work is not None else None
+
+
+# FSDP1_DEBUG_COLLECTIVES=1: before each collective the ranks compare what they are about to issue,
+# so a mismatch of op, size, dtype or unit is named at once, where gloo would pair it silently (equal
+# sizes), abort the process (unequal) or wait for the timeout. One small all-gather more per collective.
+COMPARE_EVERY_COLLECTIVE = os.environ.get("FSDP1_DEBUG_COLLECTIVES") == "1"
+
+
+def _compare_fingerprints(group: ProcessGroup, health: GroupHealth, record: _Record) -> None:
+    dtype = str(record.dtype)
+    mine = torch.tensor([zlib.crc32(record.op.encode()), record.numel, zlib.crc32(dtype.encode()),
+                         zlib.crc32(str(record.about).encode())], dtype=torch.int64)
+    every = mine.new_empty(group_size(group) * mine.numel())
+    try:
+        _all_gather_single(every, mine, group=group)
+    except Exception as error:
+        raise health.fail(f"Comparing the {record} across ranks", error) from error
+    rows = every.view(group_size(group), -1)
+    differing = [rank for rank in range(len(rows)) if not torch.equal(rows[rank], mine)]
+    if differing:
+        raise health.fail(
+            f"The {record} is not what every rank issues (FSDP1_DEBUG_COLLECTIVES)",
+            RuntimeError(f"rank(s) {[health.ranks[r] for r in differing]} issue another op, size, dtype or unit "
+                         f"as their collective #{record.number}; their traceback shows which"),
+        )
 
 
 def check_in_step(group: ProcessGroup, reached: str, remedy: str) -> None:

@@ -142,7 +142,7 @@ class GradReduction:
             self.work.wait()
         replicate_group = self.handle.replicate_group
         if replicate_group is not None:
-            comm.all_reduce(self.reduced, replicate_group, self.handle.unit_path).wait()
+            comm.all_reduce(self.reduced, replicate_group, self.handle.path).wait()
         self.handle._accumulate_reduced_grad(self.reduced)
 
 
@@ -163,12 +163,7 @@ class FlatParamHandle(ShardConversions):
     handle gives them storage inside the unsharded flat buffer on ``device`` and calls it with the
     new parameters' slots to fill them there (``reset_parameters``, then ``sync_module_states``), so
     that construction never holds the unit's parameters twice.
-
-    ``unit_path`` is the unit's clean path under its root, learnt when the root first runs, so that
-    a failed collective names the unit it was for.
     """
-
-    unit_path: Optional[str] = None
 
     def __init__(
         self,
@@ -335,6 +330,10 @@ class FlatParamHandle(ShardConversions):
         prefix = f"{self._path}." if self._path else ""
         return [ShardedParamPlaceholder(prefix + s.fqn, shape, self._local_shard) for s, shape in zip(self._slots, self._shapes)]
 
+    @property
+    def path(self) -> str:
+        return self._path
+
     def set_path(self, path: str) -> None:
         """The unit's clean path from its root, so that errors name parameters as the user's model does."""
         self._path = path
@@ -416,7 +415,7 @@ class FlatParamHandle(ShardConversions):
             self.state = HandleState.UNSHARDED
             return
         source = self._local_shard.to(device=target.device, dtype=target.dtype, non_blocking=True)
-        self._gather_work = comm.all_gather_into(target, source, self.group, self.unit_path)
+        self._gather_work = comm.all_gather_into(target, source, self.group, self._path)
         self.state = HandleState.UNSHARDING
 
     def wait_unshard(self) -> None:
@@ -814,9 +813,9 @@ class FlatParamHandle(ShardConversions):
         if self._pre_divide > 1:
             grad.div_(self._pre_divide)
         if self.is_sharded:
-            work = comm.reduce_scatter_into(reduced, grad, self.group, self.unit_path)
+            work = comm.reduce_scatter_into(reduced, grad, self.group, self._path)
         else:
-            work = comm.all_reduce(grad, self.group, self.unit_path)
+            work = comm.all_reduce(grad, self.group, self._path)
         return GradReduction(self, work, grad, reduced)
 
     @property

@@ -31,7 +31,7 @@ from torch.autograd.profiler import record_function
 
 from . import _collectives as comm
 from ._device import move_to_device
-from ._flat_param import FlatParamHandle, GradReduction, HandleTrainingState
+from ._flat_param import FlatParamHandle, GradReduction, HandleState, HandleTrainingState
 from ._init import RESHARD_AFTER_FORWARD
 from ._mixed_precision import BufferPrecision, cast_floating_tensors
 from ._traversal import fsdp_units, iter_tensors, iter_unit_submodules, unit_paths
@@ -154,9 +154,6 @@ class RootState:
     def __init__(self, root: "Unit") -> None:
         self.units: List["Unit"] = fsdp_units(root)
         self.unit_paths: Dict["Unit", str] = unit_paths(root)
-        for unit in self.units:
-            if unit._handle is not None:
-                unit._handle.unit_path = self.unit_paths.get(unit, "")
         self.is_final_callback_queued = False
         self.is_unchecked_after_abort = False
         self.process_group = root.process_group
@@ -572,7 +569,7 @@ def _finalize_backward(state: RootState) -> None:
             if handle is not None:
                 if _reshards_after_backward(unit):
                     handle.reshard()
-                else:
+                elif handle.state is not HandleState.SHARDED:  # kept gathered (no_sync); an unused unit never was
                     handle.use_resting_views()
                 handle.prepare_gradient_for_optim()
                 handle.training_state = HandleTrainingState.IDLE

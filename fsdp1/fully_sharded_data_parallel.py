@@ -77,7 +77,7 @@ class FullyShardedDataParallel(nn.Module):
         ignored_states: Optional[Iterable[Any]] = None,
         device_mesh: Optional[Any] = None,
         *,
-        _params_of_outer_units: Iterable[nn.Parameter] = (),
+        _params_of_outer_units: Optional[Iterable[nn.Parameter]] = None,
     ) -> None:
         super().__init__()
         # Check everything before touching the module.
@@ -120,19 +120,22 @@ class FullyShardedDataParallel(nn.Module):
             )
             _init.auto_wrap(module, auto_wrap_policy, child_kwargs, type(self), self._ignored)
 
+        self._values_at_construction: Optional[Tuple[List[str], List[float]]] = None
         # This unit materialises and synchronises what the children left, then flattens it on the
         # compute device. Meta parameters reset by the default init get their storage in the flat
         # buffer itself, so their unit is never held twice.
         meta_init = _init.MetaInit(module, param_init_fn, materialization_device(device_id), self._ignored)
         if meta_init.is_needed and not meta_init.is_in_place:
             meta_init.run_param_init_fn()
-        slots = _init.unit_param_slots(module, use_orig_params, self._ignored, _params_of_outer_units)
+        slots = _init.unit_param_slots(module, use_orig_params, self._ignored, _params_of_outer_units or ())
 
         def initialize(slots: Sequence[ParamSlot]) -> None:
             if meta_init.is_in_place:
                 meta_init.reset_in_place()
             if sync_module_states:
                 _init.sync_module_states(module, slots, self._ignored, groups)
+            else:
+                self._values_at_construction = _init.values_fingerprint(slots)
 
         if meta_init.is_in_place:
             self.compute_device = meta_init.device
@@ -156,6 +159,8 @@ class FullyShardedDataParallel(nn.Module):
         for unit, path in unit_paths(self).items():
             if unit._handle is not None and unit is not self:
                 unit._handle.set_path(path)
+        if _params_of_outer_units is None:  # the call the user made: every unit under it is built
+            _init.check_same_values(self, groups, self.compute_device)
 
         # Runtime state; the root is decided lazily, at the first forward.
         _runtime.forget_roots(module)

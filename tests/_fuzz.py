@@ -10,7 +10,6 @@ import functools
 import json
 import multiprocessing
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -200,14 +199,14 @@ def _run_program(case: Dict[str, Any], rank: int) -> Dict[str, Any]:
     return {"seen": seen, "final": final}
 
 
-def rank_main(rank: int, case: Dict[str, Any], port: int, out: str) -> None:
+def rank_main(rank: int, case: Dict[str, Any], out: str) -> None:
     """One rank of one case, in a forked process: join a fresh gloo group, run, write the outcome."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     world_size = case["world_size"]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=PG_TIMEOUT_S))
+    dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=PG_TIMEOUT_S))  # a file store: no port to race for
     try:
         outcome: Dict[str, Any] = {"ok": _run_program(case, rank)}
     except Exception as error:  # noqa: BLE001 - the outcome to compare across ranks
@@ -229,19 +228,12 @@ def _forkserver():
     return _context
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_case(case: Dict[str, Any], deadline_s: float = 45) -> Dict[str, Any]:
     """Every rank's outcome, or ``{"hang": ranks}`` (killed at the deadline) / ``{"crash": ranks}``
     (ended without an outcome)."""
     context = _forkserver()
-    port = _free_port()
     with tempfile.TemporaryDirectory() as out:
-        procs = [context.Process(target=rank_main, args=(rank, case, port, out), daemon=True)
+        procs = [context.Process(target=rank_main, args=(rank, case, out), daemon=True)
                  for rank in range(case["world_size"])]
         for proc in procs:
             proc.start()

@@ -42,3 +42,26 @@ def test_units_run_in_different_orders_are_named_on_every_rank(use_orig_params):
     for message in run_on_ranks(2, _rank_dependent_order, use_orig_params):
         assert message is not None and "different orders in the first iteration" in message
         assert "unit #2 holding parameters: rank 0 'b', rank 1 'c'" in message
+
+
+def _seeded_by_rank(sync_module_states):
+    torch.manual_seed(dist.get_rank())  # a data-parallel script's per-rank seed, set before the model
+    try:
+        model = fsdp1.FullyShardedDataParallel(ThreeBranches(), sync_module_states=sync_module_states,
+                                               auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({nn.Linear}))
+    except ValueError as error:
+        return str(error)
+    with fsdp1.FullyShardedDataParallel.summon_full_params(model):
+        return model.a.weight.sum().item()
+
+
+def test_ranks_that_built_different_values_are_named_unless_rank_0_s_are_taken():
+    """reliability.md H7 (pytorch#75870): each rank keeps its own shard of what it built, so torch's
+    FSDP1 silently trains a mix of differently seeded models. fsdp1 names the first parameter that
+    differs at construction; with sync_module_states=True every rank takes rank 0's values."""
+    for message in run_on_ranks(2, _seeded_by_rank, False):
+        assert "'a.weight' has other values on rank 1 than on rank 0 at construction" in message
+        assert "sync_module_states=True" in message
+    synced = run_on_ranks(2, _seeded_by_rank, True)
+    torch.manual_seed(0)
+    assert synced[0] == synced[1] == ThreeBranches().a.weight.sum().item()

@@ -217,3 +217,32 @@ except Exception as error:
     assert not failed(job), failed(job)
     _assert_broken(job.reports[0]["error"], "all-gather of 36 float32 elements for unit 'encoder'", "failed on rank 0")
     assert job.returncodes[1] != 0 and 1 not in job.reports and "collective mismatch" in job.output
+
+
+def test_with_collective_fingerprints_a_mismatch_is_named_on_every_rank_before_it_is_issued(tmp_path):
+    """H6: under FSDP1_DEBUG_COLLECTIVES=1 the ranks compare each collective before issuing it, so the
+    encoder of H5 is named on both ranks at once (no abort, no timeout), each naming its own unit."""
+    job = run_job(tmp_path, MODEL + '''
+class WithEncoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder, self.head = Layer("encoder"), Layer("head", width=3)
+    def forward(self, x):
+        if rank == 0 and STEP == 1:
+            x = self.encoder(x)
+        return self.head(x)
+model = FSDP(WithEncoder(), auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({Layer}))
+optim = torch.optim.SGD(model.parameters(), lr=0.1)
+MISBEHAVE = (None,) * 4
+try:
+    for n in range(3):
+        step(n)
+    report(error=None)
+except Exception as error:
+    report(error=described(error))
+''', torchrun=False, env={"FSDP1_DEBUG_COLLECTIVES": "1"})
+    assert not failed(job), failed(job)
+    _assert_broken(job.reports[0]["error"], "all-gather of 36 float32 elements for unit 'encoder' is not what every "
+                   "rank issues", "rank(s) [1] issue another op, size, dtype or unit")
+    _assert_broken(job.reports[1]["error"], "all-gather of 12 float32 elements for unit 'head' is not what every "
+                   "rank issues", "rank(s) [0] issue another op")
