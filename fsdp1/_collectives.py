@@ -165,6 +165,12 @@ def broadcast_object_from_first(obj: Any, group: ProcessGroup) -> Any:
     return holder[0]
 
 
+def new_gloo_group() -> ProcessGroup:
+    """A gloo group over every rank, for collectives run beside training's (a background save).
+    Collective: every rank of the default group creates it."""
+    return dist.new_group(backend="gloo")
+
+
 def global_rank_of(group: ProcessGroup, group_rank: int) -> int:
     return dist.get_global_rank(group, group_rank)
 

@@ -19,10 +19,12 @@ Every error is a ``CheckpointError`` (an ``Exception``), raised on every rank, n
 rank(s) and what was expected and found. Collective: every rank of the default group calls these.
 """
 
+import copy
 import json
 import os
 import shutil
 import socket
+import threading
 import uuid
 import zlib
 from pathlib import Path
@@ -37,6 +39,8 @@ from . import _collectives as comm
 
 MANIFEST = "fsdp1_manifest.json"
 """The commit marker: a checkpoint directory without it is incomplete."""
+STAGING = ".partial-"
+"""A save stages into ``<path>.partial-<id>``: never a checkpoint, whatever it holds."""
 
 PathLike = Union[str, os.PathLike]
 
@@ -93,10 +97,10 @@ Problem = Optional[Tuple[type, str]]
 """None, or the error class a rank would raise and why."""
 
 
-def _agree(problem: Problem, what: str, path: Path) -> None:
+def _agree(problem: Problem, what: str, path: Path, group: Optional[Any] = None) -> None:
     """Raise on every rank if any rank has a problem: the first such rank's error class, naming every
     rank that had one and why."""
-    reports = comm.all_gather_object(problem, comm.default_group())
+    reports = comm.all_gather_object(problem, group or comm.default_group())
     failed = [(rank, report) for rank, report in enumerate(reports) if report is not None]
     if failed:
         detail = "; ".join(f"rank {rank}: {message}" for rank, (_, message) in failed)
@@ -150,7 +154,9 @@ class _Lock:
 
 
 def is_committed(path: PathLike) -> bool:
-    return (Path(path) / MANIFEST).is_file()
+    """A checkpoint's manifest is there, under a final name: a staging directory of a save that died
+    after sealing it, before the rename, is not one (reliability.md C3)."""
+    return STAGING not in Path(path).name and (Path(path) / MANIFEST).is_file()
 
 
 def save(state_dict: Dict[str, Any], path: PathLike) -> None:
@@ -158,12 +164,14 @@ def save(state_dict: Dict[str, Any], path: PathLike) -> None:
     at ``path``, which must not hold one yet. Nothing appears at ``path`` unless every rank wrote its
     part: a save that fails or dies leaves at most a ``<path>.partial-*`` staging directory, which
     ``latest`` and ``load`` never take."""
-    group = comm.default_group()
+    _save(state_dict, Path(path), comm.default_group())
+
+
+def _save(state_dict: Dict[str, Any], path: Path, group: Any) -> None:
     comm.check_every_rank_calls(group, "fsdp1.checkpoint.save()")
-    path = Path(path)
     first_path = comm.broadcast_object_from_first(str(path), group)
     _agree(None if first_path == str(path) else (CheckpointError, f"given '{path}', rank 0 '{first_path}'"),
-           "save to", path)
+           "save to", path, group)
     rank = comm.group_rank(group)
     lock = _Lock(path)
     refusal: Problem = None
@@ -176,7 +184,7 @@ def save(state_dict: Dict[str, Any], path: PathLike) -> None:
             busy = lock.acquire()
             refusal = (CheckpointBusy, busy) if busy else None
     refusal, staging = comm.broadcast_object_from_first(
-        (refusal, path.with_name(f"{path.name}.partial-{uuid.uuid4().hex[:12]}")), group)
+        (refusal, path.with_name(f"{path.name}{STAGING}{uuid.uuid4().hex[:12]}")), group)
     if refusal:
         raise refusal[0](f"fsdp1: cannot save to '{path}': {refusal[1]}.")
     try:
@@ -190,7 +198,7 @@ def _write(state_dict: Dict[str, Any], path: Path, staging: Path, rank: int, gro
     problem: Problem = None
     mine: Dict[str, Dict[str, int]] = {}
     try:
-        dcp.save(state_dict, checkpoint_id=staging)
+        dcp.save(state_dict, checkpoint_id=staging, process_group=group)
         mine = {f.name: _describe(f) for f in sorted(staging.glob(f"__{rank}_*")) if f.is_file()}
     except CheckpointException as error:  # a BaseException, which DCP raises on every rank
         problem = _own_failure(error, rank)
@@ -203,7 +211,60 @@ def _write(state_dict: Dict[str, Any], path: Path, staging: Path, rank: int, gro
             problem = _commit(path, staging, {name: d for _, files in reports for name, d in files.items()})
         else:
             shutil.rmtree(staging, ignore_errors=True)
-    _agree(problem, "save (nothing committed; an earlier checkpoint is untouched) to", path)
+    _agree(problem, "save (nothing committed; an earlier checkpoint is untouched) to", path, group)
+
+
+class AsyncSaver:
+    """Saves in the background (reliability.md C12): ``save`` copies the state to CPU memory, returns,
+    and a thread of this process runs ``save``'s protocol on a gloo group of the saver's own, so that
+    its collectives never interleave with training's on the default group. One save at a time: the
+    next ``save`` first waits for the one in flight. ``wait()`` finishes it and raises its error (on
+    every rank, as ``save``'s); call it before the job ends. Create it on every rank (collective)."""
+
+    def __init__(self) -> None:
+        self._group = comm.new_gloo_group()
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+
+    def save(self, state_dict: Dict[str, Any], path: PathLike) -> None:
+        """Start saving ``state_dict`` at ``path`` as ``save`` would; later changes to the model or the
+        optimizer do not reach the checkpoint."""
+        self.wait()
+        staged = _copied_to_cpu(state_dict)
+        self._thread = threading.Thread(target=self._run, args=(staged, Path(path)), name="fsdp1-async-save",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, staged: Dict[str, Any], path: Path) -> None:
+        try:
+            _save(staged, path, self._group)
+        except BaseException as error:  # noqa: BLE001 - raised by wait() in the training thread
+            self._error = error
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is committed; raise its error if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+
+def _copied_to_cpu(tree: Any) -> Any:
+    """``tree`` with every tensor copied to CPU memory (a DTensor keeps its mesh and placements, with a
+    CPU copy of its local part), so the save reads a snapshot."""
+    if isinstance(tree, dict):
+        return {key: _copied_to_cpu(value) for key, value in tree.items()}
+    if isinstance(tree, list):
+        return [_copied_to_cpu(value) for value in tree]
+    if isinstance(tree, DTensor):
+        local = tree.to_local().detach().to("cpu", copy=True)
+        return DTensor.from_local(local, tree.device_mesh, tree.placements, run_check=False, shape=tree.shape,
+                                  stride=tree.stride())
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().to("cpu", copy=True)
+    return copy.deepcopy(tree)
 
 
 def _commit(path: Path, staging: Path, files: Dict[str, Dict[str, int]]) -> Problem:
@@ -371,7 +432,7 @@ def prune(root: PathLike, keep: int) -> List[Path]:
     removed: List[Path] = []
     if comm.group_rank(group) == 0:
         old = committed(root)[:-keep]
-        dead = [p for p in root.iterdir() if ".partial-" in p.name and not _Lock(_staged_target(p)).file.exists()]
+        dead = [p for p in root.iterdir() if STAGING in p.name and not _Lock(_staged_target(p)).file.exists()]
         for victim in old + dead:
             shutil.rmtree(victim, ignore_errors=True)
             removed.append(victim)
@@ -379,9 +440,9 @@ def prune(root: PathLike, keep: int) -> List[Path]:
 
 
 def _staged_target(staging: Path) -> Path:
-    return staging.with_name(staging.name.split(".partial-")[0])
+    return staging.with_name(staging.name.split(STAGING)[0])
 
 
 __all__: Tuple[str, ...] = ("CheckpointError", "CheckpointIncomplete", "CheckpointCorrupted", "CheckpointExists",
-                            "CheckpointBusy", "MANIFEST", "save", "load", "verify", "latest", "committed", "prune",
-                            "is_committed", "seal_written_by_one_process")
+                            "CheckpointBusy", "CheckpointNonFinite", "MANIFEST", "save", "load", "verify", "latest",
+                            "committed", "prune", "is_committed", "seal_written_by_one_process", "AsyncSaver")

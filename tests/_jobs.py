@@ -56,7 +56,7 @@ def _free_port() -> int:
 
 
 def run_job(tmp_path: Path, body: str, nproc: int = 2, torchrun: bool = True, timeout_s: float = 60,
-            pg_timeout_s: float = 3, torchrun_args: tuple = (), env: Optional[Dict[str, str]] = None) -> Job:
+            pg_timeout_s: float = 2, torchrun_args: tuple = (), env: Optional[Dict[str, str]] = None) -> Job:
     """Run ``body`` on ``nproc`` ranks, under torchrun or (``torchrun=False``) as plain processes that
     find each other through MASTER_ADDR/PORT with no agent to stop the others when one fails."""
     out = tmp_path / f"job-{time.monotonic_ns()}"

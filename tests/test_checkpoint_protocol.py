@@ -314,65 +314,6 @@ def test_loading_into_another_model_names_the_key_and_both_shapes_on_every_rank(
         assert "saved torch.Size([8, 4]) and current: torch.Size([12, 4]) for model.0.weight" in message
 
 
-RESTARTED_JOB = '''
-import json, os, sys, torch, torch.distributed as dist
-sys.path.insert(0, {tests!r})
-import fsdp1
-from fsdp1 import checkpoint
-from _models import adam, make_gpt, train_steps, wrap_fsdp1
-dist.init_process_group("gloo")
-root, crash = {root!r}, {crash!r}
-model = wrap_fsdp1(make_gpt()); optim = adam(model.parameters())
-FSDP = fsdp1.FullyShardedDataParallel
-def state():
-    with FSDP.state_dict_type(model, fsdp1.StateDictType.SHARDED_STATE_DICT):
-        return {{"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)}}
-first = 0
-latest = checkpoint.latest(root)
-if latest is not None:
-    loaded = state()
-    checkpoint.load(loaded, latest)
-    with FSDP.state_dict_type(model, fsdp1.StateDictType.SHARDED_STATE_DICT):
-        model.load_state_dict(loaded["model"])
-        optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, loaded["optim"]))
-    first = int(latest.name[5:])
-losses = {{}}
-for step in range(first, 10):
-    if crash and step == 6 and dist.get_rank() == 1 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
-        os._exit(17)
-    losses[step] = train_steps(model, optim, step, 1)[0]
-    if (step + 1) % 2 == 0:
-        checkpoint.save(state(), f"{{root}}/step_{{step + 1:06d}}")
-if dist.get_rank() == 0:
-    with open(f"{{root}}/losses-{{os.environ['TORCHELASTIC_RESTART_COUNT']}}.json", "w") as f:
-        json.dump(losses, f)
-'''
-
-
-def test_a_rank_killed_at_step_6_restarts_from_the_last_checkpoint_and_continues_bitwise(tmp_path):
-    """reliability.md R1, under ``torchrun --max-restarts=1`` (with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1,
-    which gloo restarts need on torch 2.13): the restarted job resumes from step 6 and its losses
-    equal the uninterrupted run's bit for bit."""
-    import json
-
-    runs = {}
-    for crash in (False, True):
-        root = tmp_path / ("crashed" if crash else "straight")
-        root.mkdir()
-        script = tmp_path / f"job_{crash}.py"
-        script.write_text(RESTARTED_JOB.format(tests=str(Path(__file__).parent), root=str(root), crash=crash))
-        job = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                              "--max-restarts", "1", str(script)], capture_output=True, text=True, timeout=150,
-                             env={**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
-        assert job.returncode == 0, job.stderr[-3000:]
-        runs[crash] = {attempt.name: json.loads(attempt.read_text()) for attempt in root.glob("losses-*.json")}
-    straight = runs[False]["losses-0.json"]
-    assert list(runs[True]) == ["losses-1.json"]  # the first attempt died
-    resumed = runs[True]["losses-1.json"]
-    assert list(resumed) == [str(step) for step in range(6, 10)]
-    assert resumed == {step: straight[step] for step in resumed}
-
-
 def _stale_lock(root):
     """A lock left by a process of this host that is gone (a save killed, the job restarted)."""
     import socket
@@ -394,10 +335,24 @@ def test_a_lock_left_by_a_dead_process_of_this_host_is_taken_over(tmp_path):
         assert committed and names == ["step_000002"]
 
 
+def _small(seed):
+    """A small MLP with Adam (odd sizes, so shards split rows unevenly at 3 and 4 ranks)."""
+    torch.manual_seed(seed)
+    model = fsdp1.FullyShardedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Tanh(), torch.nn.Linear(10, 3)),
+        auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({torch.nn.Linear}))
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
 def _save_for_resharding(root):
     from fsdp1 import checkpoint
 
-    model, optim = _trained()
+    model, optim = _small(0)
+    for step in range(2):
+        torch.manual_seed(step)
+        model(torch.randn(4, 6)).square().mean().backward()
+        optim.step()
+        optim.zero_grad()
     checkpoint.save(_state(model, optim), Path(root) / "step_000002")
     return _full(model), _full_optim(model, optim)
 
@@ -410,9 +365,9 @@ def _full_optim(model, optim):
 
 
 def _load_resharded(root):
-    model, optim = _trained(seed=7, steps=0)
     from fsdp1 import checkpoint
 
+    model, optim = _small(7)
     state = _state(model, optim)
     checkpoint.load(state, Path(root) / "step_000002")
     with fsdp1.FullyShardedDataParallel.state_dict_type(model, fsdp1.StateDictType.SHARDED_STATE_DICT):
@@ -488,7 +443,49 @@ def test_rank_0_killed_while_committing_leaves_the_last_committed_checkpoint_lat
     assert job.returncode != 0
     names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     staged = [tmp_path / "ckpt" / name for name in names if name.startswith("step_000002.partial-")]
-    assert "step_000002" not in names and len(staged) == 1 and checkpoint.is_committed(staged[0])
+    assert "step_000002" not in names and len(staged) == 1 and (staged[0] / checkpoint.MANIFEST).is_file()
+    assert not checkpoint.is_committed(staged[0])
     assert checkpoint.latest(tmp_path / "ckpt").name == "step_000001" and checkpoint.verify(tmp_path / "ckpt" / "step_000001")
     with pytest.raises(checkpoint.CheckpointIncomplete, match="not a committed checkpoint"):
         checkpoint.verify(staged[0])
+
+
+def _saved_in_the_background(root):
+    """reliability.md C12 on fsdp1's SHARDED state (DTensors; torch's FSDP1 ShardedTensors fail there)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from fsdp1 import checkpoint
+
+    model, optim = _trained()
+    saver = checkpoint.AsyncSaver()
+    before = _full(model)
+    saver.save(_state(model, optim), Path(root) / "step_000002")
+    with torch.no_grad():  # (a) the model changes at once; the checkpoint must not see it
+        for p in model.parameters():
+            p.add_(1.0)
+    saver.save(_state(model, optim), Path(root) / "step_000003")  # (d) waits for the first, never interleaves
+    saver.wait()
+    first, second = _full(_load_into_fresh(Path(root) / "step_000002")), _full(_load_into_fresh(Path(root) / "step_000003"))
+    original = FileSystemWriter.write_data
+
+    def full_disk(self, plan, planner):
+        if dist.get_rank() == 1:
+            raise OSError(28, "No space left on device")
+        return original(self, plan, planner)
+
+    FileSystemWriter.write_data = full_disk
+    try:  # (b) the failure comes back from wait(), on every rank
+        saver.save(_state(model, optim), Path(root) / "step_000004")
+        failure = _error_of(saver.wait)
+    finally:
+        FileSystemWriter.write_data = original
+    return (all(torch.equal(first[k], before[k]) for k in before),
+            all(torch.equal(second[k], before[k] + 1) for k in before),
+            failure, checkpoint.latest(root).name)
+
+
+def test_a_background_save_holds_the_state_it_was_given_and_reports_its_failure_on_every_rank(tmp_path):
+    for unchanged, mutated, (kind, message), latest in run_on_ranks(2, _saved_in_the_background, str(tmp_path)):
+        assert unchanged and mutated
+        assert kind == "CheckpointError" and "rank(s) [1]" in message and "No space left on device" in message
+        assert latest == "step_000003"

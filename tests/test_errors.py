@@ -43,6 +43,7 @@ def _same(a, b):
 
 def _construction_error(make_model, kwargs):
     """The message of the constructor's exception, and whether the module was left untouched."""
+    torch.manual_seed(0)  # every rank builds the same model, as FSDP requires
     model = make_model()
     kwargs = {name: value.make(model) if isinstance(value, OnRank) else value for name, value in kwargs.items()}
     repr_before = repr(model)
@@ -123,6 +124,7 @@ def _head_tied_to_a_wrapped_block():
 
 
 def _wrapped_twice(use_orig_params):
+    torch.manual_seed(0)  # every rank builds the same model, as FSDP requires
     module = Blocks()
     FSDP(module, use_orig_params=use_orig_params)
     try:
@@ -169,6 +171,7 @@ def _yes_for_linear(module):
 
 
 def _no_sync_on_inner_unit():
+    torch.manual_seed(0)  # every rank builds the same model, as FSDP requires
     model = FSDP(Blocks(), auto_wrap_policy=LinearPolicy)
     model(torch.ones(1, 4)).sum().backward()
     try:
@@ -180,6 +183,7 @@ def _no_sync_on_inner_unit():
 
 
 def _double_backward():
+    torch.manual_seed(0)  # every rank builds the same model, as FSDP requires
     model = FSDP(Blocks(), auto_wrap_policy=LinearPolicy)
     loss = model(torch.ones(1, 4)).pow(2).sum()
     try:
@@ -190,6 +194,7 @@ def _double_backward():
 
 
 def _wrapped_repr():
+    torch.manual_seed(0)  # every rank builds the same model, as FSDP requires
     return repr(FSDP(Blocks(), auto_wrap_policy=LinearPolicy))
 
 

@@ -1,6 +1,6 @@
 """Tests that a rank which fails, stops, or drives fsdp1 differently from the others gives an error on
 every rank instead of a hang or silently wrong training (issue 14; reliability.md §3.3, H1–H3,
-H5, H8, H9, and C14). Each case is a whole job in fresh processes with a 3 s gloo timeout
+H5, H8, H9, and C14). Each case is a whole job in fresh processes with a 2 s gloo timeout
 (``_jobs.run_job``), since it breaks its process group on purpose; a job that hangs is killed and
 fails the test, and no process may outlive its job."""
 
@@ -66,7 +66,7 @@ for n in range(5):
         errors.append(described(error))
 report(errors=errors)
 model.state_dict()  # poisoned: raises, so the job cannot exit 0
-''')
+''', torchrun=False)
     assert not failed(job), failed(job)
     assert all(code != 0 for code in job.returncodes)
     for rank in (0, 1):
@@ -170,7 +170,7 @@ for n in range(4):
 
 
 def test_a_straggler_within_the_timeout_trains_on_as_if_it_had_not_waited(tmp_path):
-    """H8: rank 1 sleeps 1 s in b (the timeout is 3 s): no error, and the losses equal a run where
+    """H8: rank 1 sleeps 1 s in b (the timeout is 2 s): no error, and the losses equal a run where
     nobody waits."""
     job = run_job(tmp_path, MODEL + '''
 import time
@@ -182,9 +182,9 @@ for slow in (False, True):
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     losses[slow] = [step(n) for n in range(3)]
 report(losses=losses)
-''')
+''', torchrun=False)
     assert not failed(job), failed(job)
-    assert job.returncodes == [0]
+    assert job.returncodes == [0, 0]
     for rank in (0, 1):
         losses = job.reports[rank]["losses"]
         assert losses["true"] == losses["false"]
@@ -244,5 +244,5 @@ except Exception as error:
     assert not failed(job), failed(job)
     _assert_broken(job.reports[0]["error"], "all-gather of 36 float32 elements for unit 'encoder' is not what every "
                    "rank issues", "rank(s) [1] issue another op, size, dtype or unit")
-    _assert_broken(job.reports[1]["error"], "all-gather of 12 float32 elements for unit 'head' is not what every "
+    _assert_broken(job.reports[1]["error"], "all-gather of 14 float32 elements for unit 'head' is not what every "
                    "rank issues", "rank(s) [0] issue another op")

@@ -1,5 +1,4 @@
-"""Tests crash and resume under ``torchrun --max-restarts`` (issue 14; reliability.md §3.2, R2, R4,
-R5; R1 is in test_checkpoint_protocol.py). The job trains with dropout, a learning-rate schedule and
+"""Tests crash and resume under ``torchrun --max-restarts`` (issue 14; reliability.md §3.2, R1–R5). The job trains with dropout, a learning-rate schedule and
 a data position, and checkpoints through ``fsdp1.checkpoint`` every 2 steps the model, the optimizer,
 the schedule, the step and each rank's RNG state; a resumed run must draw the same batches and
 dropout masks and produce the same losses, bit for bit, as one never interrupted."""
@@ -20,7 +19,7 @@ from fsdp1 import checkpoint
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.elastic.multiprocessing.errors import record
 ROOT, CRASH = Path({root!r}), {crash!r}
-attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # the uninterrupted run: no torchrun
 torch.manual_seed(0)
 model = FSDP(nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.3), nn.Tanh(), nn.Linear(16, 3)),
              auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({{nn.Linear}}))
@@ -35,8 +34,12 @@ original_write = FileSystemWriter.write_data
 def write_then_die(self, plan, planner):
     written = original_write(self, plan, planner)
     written.wait()
-    if rank == 1:
-        os._exit(17)  # killed inside the save of step 6, its data written, nothing committed
+    if rank == 1:  # inside the save of step 6, its data written, nothing committed
+        if CRASH == "sigterm":
+            import signal
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)
+        os._exit(17)
     return written
 @record
 def main():
@@ -56,6 +59,8 @@ def main():
     for step in range(first, 10):
         if CRASH == "always" and rank == 1 and step == 3:
             raise RuntimeError(f"deliberate crash on attempt {{attempt}}")
+        if CRASH == "step" and rank == 1 and step == 6 and attempt == 0:
+            os._exit(17)
         x = torch.randn(4, 8)  # the data position is the RNG's
         out = model(x)
         loss = out.square().mean()
@@ -65,7 +70,7 @@ def main():
         schedule.step()
         seen[step] = [loss.item(), hash(tuple(x.flatten().tolist())), schedule.get_last_lr()[0]]
         if (step + 1) % 2 == 0:
-            if CRASH == "save" and step + 1 == 6 and attempt == 0:
+            if CRASH in ("save", "sigterm") and step + 1 == 6 and attempt == 0:
                 FileSystemWriter.write_data = write_then_die
             checkpoint.save(state(step + 1), ROOT / f"step_{{step + 1:06d}}")
     report(seen=seen, attempt=attempt)
@@ -73,30 +78,33 @@ main()
 '''
 
 
-def _training(tmp_path, crash):
+def _training(tmp_path, crash, restarts=1):
     root = tmp_path / f"ckpt-{crash}"
     root.mkdir()
-    job = run_job(tmp_path, TRAINING.format(root=str(root), crash=crash), torchrun_args=("--max-restarts", "1"),
-                  env=RESTARTS, timeout_s=150)
+    job = run_job(tmp_path, TRAINING.format(root=str(root), crash=crash), timeout_s=150, env=RESTARTS,
+                  torchrun=crash is not None, torchrun_args=("--max-restarts", str(restarts)))
     assert not failed(job), failed(job)
     return job, root
 
 
-def test_a_rank_killed_inside_a_save_resumes_from_the_save_before_with_the_same_rng_schedule_and_losses(tmp_path):
-    """R2 and R5: rank 1 dies inside the step-6 save; the restart skips the uncommitted step_000006,
-    resumes from step_000004, and every later step draws the same batch, gets the same learning rate
-    and dropout masks and produces the same loss, bit for bit, as the uninterrupted run."""
+def test_a_rank_killed_in_a_step_or_inside_a_save_resumes_with_the_same_rng_schedule_and_losses(tmp_path):
+    """R1, R2 and R5: rank 1 dies at step 6 (R1), or inside the step-6 save (R2: the restart skips the
+    uncommitted step_000006 and resumes from step_000004); every later step draws the same batch,
+    gets the same learning rate and dropout masks and produces the same loss, bit for bit, as the
+    uninterrupted run."""
     straight, _ = _training(tmp_path, None)
-    resumed, root = _training(tmp_path, "save")
-    assert straight.returncodes == [0] and resumed.returncodes == [0], resumed.output[-3000:]
-    assert "resumed from step_000004" in resumed.output
-    assert sorted(p.name for p in root.iterdir() if ".partial-" not in p.name) == [
-        f"step_{n:06d}" for n in (2, 4, 6, 8, 10)]
-    for rank in (0, 1):
-        assert resumed.reports[rank]["attempt"] == 1
-        after = resumed.reports[rank]["seen"]
-        assert list(after) == [str(step) for step in range(4, 10)]
-        assert after == {step: straight.reports[rank]["seen"][step] for step in after}
+    assert straight.returncodes == [0, 0], straight.output[-3000:]
+    for crash, resumed_from in (("step", 6), ("save", 4)):
+        resumed, root = _training(tmp_path, crash)
+        assert resumed.returncodes == [0], resumed.output[-3000:]
+        assert f"resumed from step_{resumed_from:06d}" in resumed.output
+        assert sorted(p.name for p in root.iterdir() if ".partial-" not in p.name) == [
+            f"step_{n:06d}" for n in (2, 4, 6, 8, 10)]
+        for rank in (0, 1):
+            assert resumed.reports[rank]["attempt"] == 1
+            after = resumed.reports[rank]["seen"]
+            assert list(after) == [str(step) for step in range(resumed_from, 10)]
+            assert after == {step: straight.reports[rank]["seen"][step] for step in after}
 
 
 def test_a_crash_on_every_attempt_fails_the_job_naming_the_rank_and_the_error(tmp_path):
@@ -108,3 +116,14 @@ def test_a_crash_on_every_attempt_fails_the_job_naming_the_rank_and_the_error(tm
     assert "rank      : 1 (local_rank: 1)" in summary
     assert "RuntimeError: deliberate crash on attempt 1" in job.output
     assert [p.name for p in root.iterdir()] == ["step_000002"]  # both attempts got as far, nothing more
+
+
+def test_a_rank_terminated_inside_a_save_ends_the_job_and_the_save_is_no_checkpoint(tmp_path):
+    """R3: SIGTERM to rank 1 inside the step-6 save, no restarts: every process ends (none is left),
+    the job fails, and the uncommitted save is not taken as the latest checkpoint."""
+    from fsdp1 import checkpoint
+
+    job, root = _training(tmp_path, "sigterm", restarts=0)
+    assert job.returncodes[0] != 0
+    assert "step_000006" not in {p.name for p in root.iterdir()}
+    assert checkpoint.latest(root).name == "step_000004"
