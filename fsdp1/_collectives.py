@@ -222,6 +222,7 @@ class GroupHealth:
         self.issued = 0
         self.recent: Deque[_Record] = deque(maxlen=self.RECENT)
         self.failure: Optional[str] = None
+        self.compares_every_collective = os.environ.get("FSDP1_DEBUG_COLLECTIVES") == "1"
 
     def issue(self, op: str, tensor: Optional[torch.Tensor], about: Optional[str]) -> _Record:
         self.raise_if_broken()
@@ -280,7 +281,7 @@ def _issue(group: ProcessGroup, op: str, tensor: Optional[torch.Tensor], about: 
     issue (or of a synchronous one) breaks the group at once."""
     health = health_of(group)
     record = health.issue(op, tensor, about)
-    if COMPARE_EVERY_COLLECTIVE:
+    if health.compares_every_collective:
         _compare_fingerprints(group, health, record)
     try:
         work = start()
@@ -289,13 +290,11 @@ def _issue(group: ProcessGroup, op: str, tensor: Optional[torch.Tensor], about: 
     return GuardedWork(work, health, record) if work is not None else None
 
 
-# FSDP1_DEBUG_COLLECTIVES=1: before each collective the ranks compare what they are about to issue,
-# so a mismatch of op, size, dtype or unit is named at once, where gloo would pair it silently (equal
-# sizes), abort the process (unequal) or wait for the timeout. One small all-gather more per collective.
-COMPARE_EVERY_COLLECTIVE = os.environ.get("FSDP1_DEBUG_COLLECTIVES") == "1"
-
-
 def _compare_fingerprints(group: ProcessGroup, health: GroupHealth, record: _Record) -> None:
+    """FSDP1_DEBUG_COLLECTIVES=1 (read when fsdp1 first uses the group): before each collective the
+    ranks compare what they are about to issue, so a mismatch of op, size, dtype or unit is named at
+    once, where gloo would pair it silently (equal sizes), abort the process (unequal) or wait for
+    the timeout. One small all-gather more per collective."""
     dtype = str(record.dtype)
     mine = torch.tensor([zlib.crc32(record.op.encode()), record.numel, zlib.crc32(dtype.encode()),
                          zlib.crc32(str(record.about).encode())], dtype=torch.int64)

@@ -511,46 +511,40 @@ def sync_module_states(module: nn.Module, slots: Sequence[ParamSlot], ignored: I
                     work.wait()
 
 
-def values_fingerprint(slots: Sequence[ParamSlot]) -> Optional[Tuple[List[str], List[float]]]:
-    """Each parameter's sum and norm, to compare across ranks once the unit's path is known
-    (``check_same_values``); None on the meta device. Reductions in the parameter's own dtype, so
-    that no copy of it is made (equal values give equal results bitwise)."""
-    unique = list({id(slot.param): slot for slot in slots}.values())
-    if not unique or any(slot.param.is_meta for slot in unique):
-        return None
-    with torch.no_grad():
-        values = torch.stack([v.double() for slot in unique for v in (
-            slot.param.sum(), torch.linalg.vector_norm(slot.param))])
-    return [slot.fqn for slot in unique], values.tolist()  # no storage kept until the comparison
-
-
-def check_same_values(root: nn.Module, groups: ProcessGroups, device: torch.device) -> None:
+def check_same_values(module: nn.Module, ignored: IgnoredStates, groups: ProcessGroups) -> None:
     """Without ``sync_module_states`` the ranks must have built the same values: each keeps its own
     shard of what it built, so ranks seeded differently would train a silent mix of their models
-    (pytorch#75870). The FSDP call the user made compares every unit built under it, in one
-    all-gather of the fingerprints, and names the first parameter that differs by its clean path."""
-    pending = [(path, unit) for unit, path in unit_paths(root).items() if unit._values_at_construction is not None]
-    if not pending:
+    (pytorch#75870). Before anything is wrapped, each parameter's sum and norm (reductions in its
+    own dtype, so no copy is made; equal values give equal results bitwise) are compared across the
+    ranks in one object all-gather; the first that differs is named by its path. Parameters on the
+    meta device have no values yet, and flattened ones (a unit's shards) differ by design."""
+    slots = [slot for slot in iter_param_slots(module) if not ignored.has_param(slot.param)
+             and slot.param.is_floating_point() and not slot.param.is_meta and not _is_flattened(slot.param)]
+    unique = list({id(slot.param): slot for slot in slots}.values())
+    if not unique:
         return
-    names = [f"{path}.{fqn}" if path else fqn for path, unit in pending for fqn in unit._values_at_construction[0]]
-    mine = torch.tensor([v for _, unit in pending for v in unit._values_at_construction[1]], dtype=torch.float64,
-                        device=device)
-    for _, unit in pending:
-        unit._values_at_construction = None
+    with torch.no_grad():
+        sums = torch.stack([v.double() for slot in unique for v in (slot.param.sum(), torch.linalg.vector_norm(slot.param))])
+    mine = [value.hex() for value in sums.tolist()]  # hex: exact, and a NaN equals a NaN
     for group in (groups.shard, groups.replicate):
         if group is None or comm.group_size(group) == 1 or comm.is_fake(group):
             continue
-        every = mine.new_empty(comm.group_size(group) * mine.numel())
-        comm.all_gather_into(every, mine, group).wait()
-        for rank, theirs in enumerate(every.view(-1, mine.numel())):
-            differs = (theirs != every[: mine.numel()]).view(-1, 2).any(dim=1).nonzero()
-            if differs.numel():
+        every = comm.all_gather_object(mine, group)
+        for rank, theirs in enumerate(every):
+            first = next((i // 2 for i, (a, b) in enumerate(zip(theirs, every[0])) if a != b), None)
+            if len(theirs) != len(every[0]):
                 raise ValueError(
-                    f"fsdp1: '{names[int(differs[0])]}' has other values on rank {comm.global_rank_of(group, rank)} "
-                    f"than on rank {comm.global_rank_of(group, 0)} at construction: the ranks built the model "
-                    "differently (other seeds?), and each would keep its own shard of it, a silent mix. Seed "
-                    "every rank alike before building the model, or pass sync_module_states=True to take the "
-                    "first rank's values."
+                    f"fsdp1: the module has {len(theirs) // 2} floating-point parameters on rank "
+                    f"{comm.global_rank_of(group, rank)} but {len(every[0]) // 2} on rank "
+                    f"{comm.global_rank_of(group, 0)}; build the same model on every rank."
+                )
+            if first is not None:
+                raise ValueError(
+                    f"fsdp1: '{clean_fqn(unique[first].fqn)}' has other values on rank "
+                    f"{comm.global_rank_of(group, rank)} than on rank {comm.global_rank_of(group, 0)}: the ranks "
+                    "built the model differently (other seeds?), and each would keep its own shard of it, a "
+                    "silent mix. Seed every rank alike before building the model, or pass "
+                    "sync_module_states=True to take the first rank's values."
                 )
 
 

@@ -100,6 +100,9 @@ class FullyShardedDataParallel(nn.Module):
         self.limit_all_gathers = limit_all_gathers
         self._use_orig_params = use_orig_params
 
+        if not sync_module_states and _params_of_outer_units is None:  # the call the user made
+            _init.check_same_values(module, self._ignored, groups)
+
         # Children first: each planned submodule becomes its own unit with the same arguments (and
         # the parameters it must leave to an outer unit).
         if auto_wrap_policy is not None:
@@ -120,7 +123,6 @@ class FullyShardedDataParallel(nn.Module):
             )
             _init.auto_wrap(module, auto_wrap_policy, child_kwargs, type(self), self._ignored)
 
-        self._values_at_construction: Optional[Tuple[List[str], List[float]]] = None
         # This unit materialises and synchronises what the children left, then flattens it on the
         # compute device. Meta parameters reset by the default init get their storage in the flat
         # buffer itself, so their unit is never held twice.
@@ -134,8 +136,6 @@ class FullyShardedDataParallel(nn.Module):
                 meta_init.reset_in_place()
             if sync_module_states:
                 _init.sync_module_states(module, slots, self._ignored, groups)
-            else:
-                self._values_at_construction = _init.values_fingerprint(slots)
 
         if meta_init.is_in_place:
             self.compute_device = meta_init.device
@@ -159,8 +159,6 @@ class FullyShardedDataParallel(nn.Module):
         for unit, path in unit_paths(self).items():
             if unit._handle is not None and unit is not self:
                 unit._handle.set_path(path)
-        if _params_of_outer_units is None:  # the call the user made: every unit under it is built
-            _init.check_same_values(self, groups, self.compute_device)
 
         # Runtime state; the root is decided lazily, at the first forward.
         _runtime.forget_roots(module)

@@ -4,6 +4,7 @@ one; a committed one is never written into, and every file is checked against th
 anything is loaded, so a truncated or bit-flipped file is an error naming it on every rank instead
 of silently different weights (DCP alone loads those). Every error is an ``Exception``."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -37,15 +38,20 @@ def _trained(seed=0, steps=2):
     return model, optim
 
 
-def _load_into_fresh(path):
+def _resume(model, optim, path):
+    """Load the checkpoint at ``path`` into ``model`` and ``optim``, as a training script resumes."""
     from fsdp1 import checkpoint
 
-    model, optim = _trained(seed=7, steps=0)
     state = _state(model, optim)
     checkpoint.load(state, path)
     with fsdp1.FullyShardedDataParallel.state_dict_type(model, fsdp1.StateDictType.SHARDED_STATE_DICT):
         model.load_state_dict(state["model"])
         optim.load_state_dict(fsdp1.FullyShardedDataParallel.optim_state_dict_to_load(model, optim, state["optim"]))
+
+
+def _load_into_fresh(path):
+    model, optim = _trained(seed=7, steps=0)
+    _resume(model, optim, path)
     return model
 
 
@@ -83,16 +89,11 @@ def test_a_committed_checkpoint_loads_bitwise_and_is_never_written_into_or_saved
         assert names == ["step_000002", "step_000004.lock"]  # no staging left, the other job's lock kept
 
 
-def _failing_writer_on_rank_1(root):
+@contextlib.contextmanager
+def _disk_full_on_rank_1():
+    """DCP's file writer raises ENOSPC on rank 1 within."""
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from fsdp1 import checkpoint
-
-    model, optim = _trained()
-    good = Path(root) / "step_000002"
-    checkpoint.save(_state(model, optim), good)
-    saved = _full(model)
-    train_steps(model, optim, 2, 1)
     original = FileSystemWriter.write_data
 
     def full_disk(self, plan, planner):
@@ -102,9 +103,21 @@ def _failing_writer_on_rank_1(root):
 
     FileSystemWriter.write_data = full_disk
     try:
-        error = _error_of(lambda: checkpoint.save(_state(model, optim), Path(root) / "step_000003"))
+        yield
     finally:
         FileSystemWriter.write_data = original
+
+
+def _failing_writer_on_rank_1(root):
+    from fsdp1 import checkpoint
+
+    model, optim = _trained()
+    good = Path(root) / "step_000002"
+    checkpoint.save(_state(model, optim), good)
+    saved = _full(model)
+    train_steps(model, optim, 2, 1)
+    with _disk_full_on_rank_1():
+        error = _error_of(lambda: checkpoint.save(_state(model, optim), Path(root) / "step_000003"))
     alive = torch.ones(1)
     dist.all_reduce(alive)  # the process group still works
     names = sorted(p.name for p in Path(root).iterdir())
@@ -181,12 +194,11 @@ def test_prune_keeps_the_latest_committed_and_removes_dead_staging(tmp_path):
         assert removed == ["step_000002", "step_000008.partial-0123456789ab"] and left == ["step_000004", "step_000006"]
 
 
-JOB = '''
+JOB_STARTED = '''
 import os, sys, torch, torch.distributed as dist
 sys.path.insert(0, {tests!r})
 import fsdp1
 from fsdp1 import checkpoint
-from torch.distributed.checkpoint import FileSystemWriter
 from _models import adam, make_gpt, train_steps, wrap_fsdp1
 dist.init_process_group("gloo")
 model = wrap_fsdp1(make_gpt()); optim = adam(model.parameters())
@@ -196,6 +208,9 @@ def state():
 train_steps(model, optim, 0, 1)
 checkpoint.save(state(), {root!r} + "/step_000001")
 train_steps(model, optim, 1, 1)
+'''  # two steps trained, the first committed as step_000001
+
+JOB = JOB_STARTED + '''from torch.distributed.checkpoint import FileSystemWriter
 original = FileSystemWriter.write_data
 def write_then_die(self, plan, planner):
     written = original(self, plan, planner)
@@ -208,16 +223,20 @@ checkpoint.save(state(), {root!r} + "/step_000002")
 '''
 
 
+def _under_torchrun(template, tmp_path):
+    """Run the job ``template`` (checkpoints under ``tmp_path/ckpt``) on 2 ranks under torchrun."""
+    script = tmp_path / "job.py"
+    script.write_text(template.format(tests=str(Path(__file__).parent), root=str(tmp_path / "ckpt")))
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
 def test_a_rank_killed_during_a_save_leaves_the_last_committed_checkpoint_latest(tmp_path):
     """reliability.md C1: the job fails, the second save is not a checkpoint, the first is latest."""
     from fsdp1 import checkpoint
 
-    script = tmp_path / "job.py"
-    script.write_text(JOB.format(tests=str(Path(__file__).parent), root=str(tmp_path / "ckpt")))
-    job = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          str(script)], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert job.returncode != 0
+    assert _under_torchrun(JOB, tmp_path).returncode != 0
     names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     assert "step_000002" not in names and any(name.startswith("step_000002.partial-") for name in names)
     assert checkpoint.latest(tmp_path / "ckpt").name == "step_000001"
@@ -274,11 +293,7 @@ def _tiny_head_resume(root, use_orig_params):
     checkpoint.save(_state(model, optim), Path(root) / "step_000002")
     uninterrupted = steps(model, optim, 2, 3)
     fresh, fresh_optim = build(5)
-    state = _state(fresh, fresh_optim)
-    checkpoint.load(state, Path(root) / "step_000002")
-    with fsdp1.FullyShardedDataParallel.state_dict_type(fresh, fsdp1.StateDictType.SHARDED_STATE_DICT):
-        fresh.load_state_dict(state["model"])
-        fresh_optim.load_state_dict(fsdp1.FullyShardedDataParallel.optim_state_dict_to_load(fresh, fresh_optim, state["optim"]))
+    _resume(fresh, fresh_optim, Path(root) / "step_000002")
     return uninterrupted, steps(fresh, fresh_optim, 2, 3)
 
 
@@ -365,14 +380,8 @@ def _full_optim(model, optim):
 
 
 def _load_resharded(root):
-    from fsdp1 import checkpoint
-
     model, optim = _small(7)
-    state = _state(model, optim)
-    checkpoint.load(state, Path(root) / "step_000002")
-    with fsdp1.FullyShardedDataParallel.state_dict_type(model, fsdp1.StateDictType.SHARDED_STATE_DICT):
-        model.load_state_dict(state["model"])
-        optim.load_state_dict(fsdp1.FullyShardedDataParallel.optim_state_dict_to_load(model, optim, state["optim"]))
+    _resume(model, optim, Path(root) / "step_000002")
     return _full(model), _full_optim(model, optim)
 
 
@@ -407,21 +416,7 @@ def test_a_non_finite_value_is_named_on_every_rank_when_asked(tmp_path):
         assert "'optim.state.blocks.1.fc.weight.exp_avg' holds 1 non-finite value(s), the first nan" in message
 
 
-DIES_WHILE_COMMITTING = '''
-import os, sys, torch, torch.distributed as dist
-sys.path.insert(0, {tests!r})
-import fsdp1
-from fsdp1 import checkpoint
-from _models import adam, make_gpt, train_steps, wrap_fsdp1
-dist.init_process_group("gloo")
-model = wrap_fsdp1(make_gpt()); optim = adam(model.parameters())
-def state():
-    with fsdp1.FullyShardedDataParallel.state_dict_type(model, fsdp1.StateDictType.SHARDED_STATE_DICT):
-        return {{"model": model.state_dict(), "optim": fsdp1.FullyShardedDataParallel.optim_state_dict(model, optim)}}
-train_steps(model, optim, 0, 1)
-checkpoint.save(state(), {root!r} + "/step_000001")
-train_steps(model, optim, 1, 1)
-original = checkpoint._seal
+DIES_WHILE_COMMITTING = JOB_STARTED + '''original = checkpoint._seal
 def seal_then_die(directory, files):
     original(directory, files)
     os._exit(17)  # rank 0, with the manifest written in the staging directory, before the rename
@@ -435,12 +430,7 @@ def test_rank_0_killed_while_committing_leaves_the_last_committed_checkpoint_lat
     sealed staging directory is still no checkpoint, and the first one stays latest."""
     from fsdp1 import checkpoint
 
-    script = tmp_path / "job.py"
-    script.write_text(DIES_WHILE_COMMITTING.format(tests=str(Path(__file__).parent), root=str(tmp_path / "ckpt")))
-    job = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          str(script)], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert job.returncode != 0
+    assert _under_torchrun(DIES_WHILE_COMMITTING, tmp_path).returncode != 0
     names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     staged = [tmp_path / "ckpt" / name for name in names if name.startswith("step_000002.partial-")]
     assert "step_000002" not in names and len(staged) == 1 and (staged[0] / checkpoint.MANIFEST).is_file()
@@ -452,7 +442,6 @@ def test_rank_0_killed_while_committing_leaves_the_last_committed_checkpoint_lat
 
 def _saved_in_the_background(root):
     """reliability.md C12 on fsdp1's SHARDED state (DTensors; torch's FSDP1 ShardedTensors fail there)."""
-    from torch.distributed.checkpoint import FileSystemWriter
 
     from fsdp1 import checkpoint
 
@@ -466,19 +455,9 @@ def _saved_in_the_background(root):
     saver.save(_state(model, optim), Path(root) / "step_000003")  # (d) waits for the first, never interleaves
     saver.wait()
     first, second = _full(_load_into_fresh(Path(root) / "step_000002")), _full(_load_into_fresh(Path(root) / "step_000003"))
-    original = FileSystemWriter.write_data
-
-    def full_disk(self, plan, planner):
-        if dist.get_rank() == 1:
-            raise OSError(28, "No space left on device")
-        return original(self, plan, planner)
-
-    FileSystemWriter.write_data = full_disk
-    try:  # (b) the failure comes back from wait(), on every rank
+    with _disk_full_on_rank_1():  # (b) the failure comes back from wait(), on every rank
         saver.save(_state(model, optim), Path(root) / "step_000004")
         failure = _error_of(saver.wait)
-    finally:
-        FileSystemWriter.write_data = original
     return (all(torch.equal(first[k], before[k]) for k in before),
             all(torch.equal(second[k], before[k] + 1) for k in before),
             failure, checkpoint.latest(root).name)

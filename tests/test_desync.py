@@ -58,9 +58,9 @@ def _seeded_by_rank(sync_module_states):
 def test_ranks_that_built_different_values_are_named_unless_rank_0_s_are_taken():
     """reliability.md H7 (pytorch#75870): each rank keeps its own shard of what it built, so torch's
     FSDP1 silently trains a mix of differently seeded models. fsdp1 names the first parameter that
-    differs at construction; with sync_module_states=True every rank takes rank 0's values."""
+    differs before it wraps anything; with sync_module_states=True every rank takes rank 0's values."""
     for message in run_on_ranks(2, _seeded_by_rank, False):
-        assert "'a.weight' has other values on rank 1 than on rank 0 at construction" in message
+        assert "'a.weight' has other values on rank 1 than on rank 0" in message
         assert "sync_module_states=True" in message
     synced = run_on_ranks(2, _seeded_by_rank, True)
     torch.manual_seed(0)

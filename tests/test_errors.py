@@ -98,6 +98,11 @@ def _already_wrapped():
     return model
 
 
+def _seeded_by_rank():
+    torch.manual_seed(dist.get_rank())  # a data-parallel script's per-rank seed, set before the model
+    return Blocks()
+
+
 def _tied_weight_split_by_hand():
     model = Blocks()
     model.head = nn.Linear(4, 4)
@@ -228,6 +233,10 @@ class TestErrors(expecttest.TestCase):
     def test_tied_weight_split_across_units_by_hand(self):
         """Auto-wrapping gives a tied weight to the units' common parent; wrapping by hand cannot."""
         self.assertExpectedInline(self.construction_error(_tied_weight_split_by_hand), """ValueError: fsdp1: parameter 'blocks.0.weight' is the same tensor as 'head.weight', which the unit 'head' already flattened; a parameter can belong to one unit only. Wrap the modules that share it in one unit, or pass auto_wrap_policy, which gives a tied parameter to the closest unit that holds all the modules using it.""")
+
+    def test_ranks_that_built_other_values(self):
+        """reliability.md H7: refused before anything is wrapped (torch's FSDP1 trains a silent mix)."""
+        self.assertExpectedInline(self.construction_error(_seeded_by_rank, auto_wrap_policy=LinearPolicy), """ValueError: fsdp1: 'blocks.0.weight' has other values on rank 1 than on rank 0: the ranks built the model differently (other seeds?), and each would keep its own shard of it, a silent mix. Seed every rank alike before building the model, or pass sync_module_states=True to take the first rank's values.""")
 
     def test_policy_that_is_neither_callable_nor_a_policy(self):
         self.assertExpectedInline(self.construction_error(Blocks, auto_wrap_policy={nn.Linear}), """ValueError: fsdp1: auto_wrap_policy must be a policy object (ModuleWrapPolicy, CustomPolicy) or a callable (module, recurse, nonwrapped_numel) -> bool such as functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}), got set.""")

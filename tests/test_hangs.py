@@ -44,6 +44,39 @@ def deliberate():
 '''
 
 
+CONDITIONAL_ENCODER = MODEL + '''
+class WithEncoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder, self.head = Layer("encoder"), Layer("head", width=3)
+    def forward(self, x):
+        if rank == 0 and STEP == 1:
+            x = self.encoder(x)
+        return self.head(x)
+model = FSDP(WithEncoder(), auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({Layer}))
+optim = torch.optim.SGD(model.parameters(), lr=0.1)
+MISBEHAVE = (None,) * 4
+try:
+    for n in range(3):
+        step(n)
+    report(error=None)
+except Exception as error:
+    report(error=described(error))
+'''  # the encoder runs on rank 0 only, at step 1 (H5, H6)
+
+
+RAISES_ON_RANK_1 = MODEL + '''
+MISBEHAVE = ("b", 1, 2, deliberate)
+def main():
+    for n in range(4):
+        try:
+            step(n)
+        except Exception as error:
+            report(error=described(error))
+            raise
+'''  # uncaught on rank 1 at step 2 (H1, H2)
+
+
 def _assert_broken(report, *fragments):
     assert report["type"] == "ProcessGroupBroken" and report["exception"], report
     for fragment in fragments:
@@ -131,18 +164,9 @@ except Exception as error:
 def test_an_uncaught_exception_on_one_rank_ends_the_job_naming_it_as_the_root_cause(tmp_path):
     """H1: rank 1 raises in b at step 2 under torchrun with ``@record``: the job fails, torchrun's
     summary names rank 1 and the exception, and rank 0 gets ProcessGroupBroken instead of waiting."""
-    job = run_job(tmp_path, MODEL + '''
+    job = run_job(tmp_path, RAISES_ON_RANK_1 + '''
 from torch.distributed.elastic.multiprocessing.errors import record
-MISBEHAVE = ("b", 1, 2, deliberate)
-@record
-def main():
-    for n in range(4):
-        try:
-            step(n)
-        except Exception as error:
-            report(error=described(error))
-            raise
-main()
+record(main)()
 ''')
     assert not failed(job), failed(job)
     assert job.returncodes[0] != 0
@@ -155,15 +179,7 @@ main()
 def test_without_an_agent_the_surviving_rank_raises_and_exits(tmp_path):
     """H2: the same crash with two plain processes and no torchrun: rank 0 raises ProcessGroupBroken
     and exits non-zero instead of waiting for a peer that is gone."""
-    job = run_job(tmp_path, MODEL + '''
-MISBEHAVE = ("b", 1, 2, deliberate)
-for n in range(4):
-    try:
-        step(n)
-    except Exception as error:
-        report(error=described(error))
-        raise
-''', torchrun=False)
+    job = run_job(tmp_path, RAISES_ON_RANK_1 + 'main()\n', torchrun=False)
     assert not failed(job), failed(job)
     assert job.returncodes[0] != 0 and job.returncodes[1] != 0
     _assert_broken(job.reports[0]["error"], "failed on rank 0")
@@ -195,25 +211,7 @@ def test_a_submodule_run_on_one_rank_only_is_named_on_every_rank(tmp_path):
     timeout). Rank 0's all-gather for the encoder meets rank 1's for the head, whose size differs:
     gloo itself aborts rank 1 ("collective mismatch", which no Python code can catch), and rank 0's
     ProcessGroupBroken names the unit. Nobody hangs."""
-    job = run_job(tmp_path, MODEL + '''
-class WithEncoder(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.encoder, self.head = Layer("encoder"), Layer("head", width=3)
-    def forward(self, x):
-        if rank == 0 and STEP == 1:
-            x = self.encoder(x)
-        return self.head(x)
-model = FSDP(WithEncoder(), auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({Layer}))
-optim = torch.optim.SGD(model.parameters(), lr=0.1)
-MISBEHAVE = (None,) * 4
-try:
-    for n in range(3):
-        step(n)
-    report(error=None)
-except Exception as error:
-    report(error=described(error))
-''', torchrun=False)
+    job = run_job(tmp_path, CONDITIONAL_ENCODER, torchrun=False)
     assert not failed(job), failed(job)
     _assert_broken(job.reports[0]["error"], "all-gather of 36 float32 elements for unit 'encoder'", "failed on rank 0")
     assert job.returncodes[1] != 0 and 1 not in job.reports and "collective mismatch" in job.output
@@ -222,25 +220,7 @@ except Exception as error:
 def test_with_collective_fingerprints_a_mismatch_is_named_on_every_rank_before_it_is_issued(tmp_path):
     """H6: under FSDP1_DEBUG_COLLECTIVES=1 the ranks compare each collective before issuing it, so the
     encoder of H5 is named on both ranks at once (no abort, no timeout), each naming its own unit."""
-    job = run_job(tmp_path, MODEL + '''
-class WithEncoder(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.encoder, self.head = Layer("encoder"), Layer("head", width=3)
-    def forward(self, x):
-        if rank == 0 and STEP == 1:
-            x = self.encoder(x)
-        return self.head(x)
-model = FSDP(WithEncoder(), auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({Layer}))
-optim = torch.optim.SGD(model.parameters(), lr=0.1)
-MISBEHAVE = (None,) * 4
-try:
-    for n in range(3):
-        step(n)
-    report(error=None)
-except Exception as error:
-    report(error=described(error))
-''', torchrun=False, env={"FSDP1_DEBUG_COLLECTIVES": "1"})
+    job = run_job(tmp_path, CONDITIONAL_ENCODER, torchrun=False, env={"FSDP1_DEBUG_COLLECTIVES": "1"})
     assert not failed(job), failed(job)
     _assert_broken(job.reports[0]["error"], "all-gather of 36 float32 elements for unit 'encoder' is not what every "
                    "rank issues", "rank(s) [1] issue another op, size, dtype or unit")
