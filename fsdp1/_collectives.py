@@ -132,7 +132,8 @@ def all_reduce_with(tensor: torch.Tensor, group: ProcessGroup, maximum: bool) ->
 def broadcast_from_first(tensor: torch.Tensor, group: ProcessGroup) -> "GuardedWork":
     """Overwrite ``tensor`` on every rank with the group's first rank's."""
     source = dist.get_global_rank(group, 0)
-    return _issue(group, "broadcast", tensor, None, lambda: dist.broadcast(tensor, src=source, group=group, async_op=True))
+    return _issue(group, "broadcast", tensor, None,
+                  lambda: dist.broadcast(tensor, src=source, group=group, async_op=True))
 
 
 def all_to_all(output: torch.Tensor, send: torch.Tensor, output_splits: List[int], send_splits: List[int],
@@ -234,19 +235,25 @@ class GroupHealth:
 
     def raise_if_broken(self) -> None:
         if self.failure is not None:
-            raise ProcessGroupBroken(f"fsdp1: this process group broke earlier, so nothing more runs on it. {self.failure}")
+            raise ProcessGroupBroken(
+                f"fsdp1: this process group broke earlier, so nothing more runs on it. {self.failure}")
 
-    def fail(self, what: str, error: BaseException) -> ProcessGroupBroken:
-        """Mark the group broken by ``what`` and return the error to raise (chained to ``error``)."""
+    def fail(self, what: str, error: BaseException, names_the_late: bool = True) -> ProcessGroupBroken:
+        """Mark the group broken by ``what`` and return the error to raise (chained to ``error``).
+        ``names_the_late``: a timeout means the other ranks did not take part (not so where this rank
+        is the one that left the others behind, as after an abandoned iteration)."""
         recent = "; ".join(str(record) for record in self.recent) or "none"
         others = [rank for rank in self.ranks if rank != self.rank]
-        missing = f"; rank(s) {others} did not take part in time" if "timed out" in str(error).lower() else ""
+        timed_out = names_the_late and "timed out" in str(error).lower()
+        missing = f"; rank(s) {others} did not take part in time" if timed_out else ""
         self.failure = (
             f"{what} failed on rank {self.rank} (process group of ranks {self.ranks}{missing}): "
-            f"{type(error).__name__}: {str(error).strip()[:600]}\nThe ranks are no longer in step, so every further fsdp1 call on this "
-            "process group raises this error. Find the rank that failed or stopped first (run under torchrun "
-            "with @record for its traceback), then restart from the last complete checkpoint "
-            f"(fsdp1.checkpoint.latest). The last collectives this rank issued here: {recent}."
+            f"{type(error).__name__}: {str(error).strip()[:600]}\nThe ranks are no longer in step, so every "
+            "further fsdp1 call on this process group raises this error. The usual causes: a rank died or "
+            "stopped; a rank caught an exception in forward or backward and went on (skip a batch on every rank or on none); a "
+            "collective API (state_dict, summon_full_params, ...) called on some ranks only. Find the rank "
+            "that failed first (run under torchrun with @record for its traceback), then restart from the last "
+            f"complete checkpoint (fsdp1.checkpoint.latest). The last collectives this rank issued here: {recent}."
         )
         return ProcessGroupBroken(f"fsdp1: {self.failure}")
 
@@ -328,8 +335,8 @@ def check_in_step(group: ProcessGroup, reached: str, remedy: str) -> None:
     if _is_gloo(group):
         try:
             group.monitored_barrier(_timeout_of(group), wait_all_ranks=True)
-        except Exception as error:
-            raise health.fail(f"Not every rank reached {reached} ({remedy});", error) from error
+        except Exception as error:  # gloo names the ranks that did not come (to rank 0)
+            raise health.fail(f"Not every rank reached {reached} ({remedy});", error, names_the_late=False) from error
     counts = all_gather_object(issued, group)
     if len(set(counts)) > 1:
         by_rank = ", ".join(f"rank {rank}: {count}" for rank, count in zip(health.ranks, counts))

@@ -103,7 +103,11 @@ def _agree(problem: Problem, what: str, path: Path, group: Optional[Any] = None)
     reports = comm.all_gather_object(problem, group or comm.default_group())
     failed = [(rank, report) for rank, report in enumerate(reports) if report is not None]
     if failed:
-        detail = "; ".join(f"rank {rank}: {message}" for rank, (_, message) in failed)
+        by_message: Dict[str, List[int]] = {}
+        for rank, (_, message) in failed:
+            by_message.setdefault(message.removeprefix("fsdp1: "), []).append(rank)
+        detail = "; ".join(f"rank {ranks[0]}: {message}" if len(ranks) == 1 else f"ranks {ranks}: {message}"
+                           for message, ranks in by_message.items())
         raise failed[0][1][0](f"fsdp1: {what} '{path}' failed on rank(s) {[rank for rank, _ in failed]}: {detail}")
 
 
@@ -366,7 +370,7 @@ def load(state_dict: Dict[str, Any], path: PathLike, validate_finite: bool = Fal
         problem = (CheckpointCorrupted, found) if found else None
     except CheckpointError as error:
         problem = (type(error), str(error))
-    _agree(problem, "checking the checkpoint", path)
+    _agree(problem, "checking (each rank a share of the files of) the checkpoint", path)
     try:
         dcp.load(state_dict, checkpoint_id=path)
     except CheckpointException as error:
@@ -430,13 +434,20 @@ def prune(root: PathLike, keep: int) -> List[Path]:
     group = comm.default_group()
     root = Path(root)
     removed: List[Path] = []
-    if comm.group_rank(group) == 0:
-        old = committed(root)[:-keep]
-        dead = [p for p in root.iterdir() if STAGING in p.name and not _Lock(_staged_target(p)).file.exists()]
-        for victim in old + dead:
-            shutil.rmtree(victim, ignore_errors=True)
-            removed.append(victim)
-    return comm.broadcast_object_from_first(removed, group)
+    problem: Problem = None
+    if comm.group_rank(group) == 0 and root.is_dir():  # no root yet: nothing to prune, as latest() finds nothing
+        try:
+            old = committed(root)[:-keep]
+            dead = [p for p in root.iterdir() if STAGING in p.name and not _Lock(_staged_target(p)).file.exists()]
+            for victim in old + dead:
+                shutil.rmtree(victim, ignore_errors=True)
+                removed.append(victim)
+        except OSError as error:
+            problem = (CheckpointError, f"{type(error).__name__}: {error}")
+    removed, problem = comm.broadcast_object_from_first((removed, problem), group)
+    if problem:
+        raise problem[0](f"fsdp1: pruning '{root}' failed on rank 0 (which deletes): {problem[1]}")
+    return removed
 
 
 def _staged_target(staging: Path) -> Path:

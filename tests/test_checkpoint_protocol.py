@@ -176,6 +176,7 @@ def test_a_damaged_checkpoint_is_refused_on_every_rank_naming_the_file(damage, n
 def _pruned(root):
     from fsdp1 import checkpoint
 
+    assert checkpoint.prune(Path(root) / "not yet made", keep=1) == []  # a fresh run prunes before its first save
     model, optim = _trained()
     for step in (2, 4, 6):
         checkpoint.save(_state(model, optim), Path(root) / f"step_{step:06d}")
