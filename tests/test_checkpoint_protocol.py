@@ -343,6 +343,7 @@ def _stale_lock(root):
         target.with_name("step_000002.lock").write_text(f"host {socket.gethostname()} pid {dead.stdout.strip()}")
     dist.barrier()
     checkpoint.save(_state(model, optim), target)
+    dist.barrier()  # rank 0 releases the lock as its save returns, which may be after rank 1's
     return checkpoint.is_committed(target), sorted(p.name for p in Path(root).iterdir())
 
 
