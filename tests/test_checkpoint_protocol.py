@@ -5,7 +5,6 @@ anything is loaded, so a truncated or bit-flipped file is an error naming it on 
 of silently different weights (DCP alone loads those). Every error is an ``Exception``."""
 
 import contextlib
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch.distributed as dist
 
 import fsdp1
 from _harness import run_on_ranks
+from _jobs import failed, run_job
 from _models import adam, make_gpt, train_steps, wrap_fsdp1
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
@@ -196,12 +196,8 @@ def test_prune_keeps_the_latest_committed_and_removes_dead_staging(tmp_path):
 
 
 JOB_STARTED = '''
-import os, sys, torch, torch.distributed as dist
-sys.path.insert(0, {tests!r})
-import fsdp1
 from fsdp1 import checkpoint
 from _models import adam, make_gpt, train_steps, wrap_fsdp1
-dist.init_process_group("gloo")
 model = wrap_fsdp1(make_gpt()); optim = adam(model.parameters())
 def state():
     with fsdp1.FullyShardedDataParallel.state_dict_type(model, fsdp1.StateDictType.SHARDED_STATE_DICT):
@@ -224,20 +220,18 @@ checkpoint.save(state(), {root!r} + "/step_000002")
 '''
 
 
-def _under_torchrun(template, tmp_path):
-    """Run the job ``template`` (checkpoints under ``tmp_path/ckpt``) on 2 ranks under torchrun."""
-    script = tmp_path / "job.py"
-    script.write_text(template.format(tests=str(Path(__file__).parent), root=str(tmp_path / "ckpt")))
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(script)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+def _killed_job(template, tmp_path):
+    """Run the job ``template`` (checkpoints under ``tmp_path/ckpt``) on 2 plain processes, one of which
+    dies: the other must fail too, and nothing may hang or outlive the job."""
+    job = run_job(tmp_path, template.format(root=str(tmp_path / "ckpt")), torchrun=False)
+    assert not failed(job) and all(code != 0 for code in job.returncodes), (failed(job), job.output[-2000:])
 
 
 def test_a_rank_killed_during_a_save_leaves_the_last_committed_checkpoint_latest(tmp_path):
     """reliability.md C1: the job fails, the second save is not a checkpoint, the first is latest."""
     from fsdp1 import checkpoint
 
-    assert _under_torchrun(JOB, tmp_path).returncode != 0
+    _killed_job(JOB, tmp_path)
     names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     assert "step_000002" not in names and any(name.startswith("step_000002.partial-") for name in names)
     assert checkpoint.latest(tmp_path / "ckpt").name == "step_000001"
@@ -432,7 +426,7 @@ def test_rank_0_killed_while_committing_leaves_the_last_committed_checkpoint_lat
     sealed staging directory is still no checkpoint, and the first one stays latest."""
     from fsdp1 import checkpoint
 
-    assert _under_torchrun(DIES_WHILE_COMMITTING, tmp_path).returncode != 0
+    _killed_job(DIES_WHILE_COMMITTING, tmp_path)
     names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     staged = [tmp_path / "ckpt" / name for name in names if name.startswith("step_000002.partial-")]
     assert "step_000002" not in names and len(staged) == 1 and (staged[0] / checkpoint.MANIFEST).is_file()
