@@ -250,8 +250,9 @@ class GroupHealth:
             f"{what} failed on rank {self.rank} (process group of ranks {self.ranks}{missing}): "
             f"{type(error).__name__}: {str(error).strip()[:600]}\nThe ranks are no longer in step, so every "
             "further fsdp1 call on this process group raises this error. The usual causes: a rank died or "
-            "stopped; a rank caught an exception in forward or backward and went on (skip a batch on every rank or on none); a "
-            "collective API (state_dict, summon_full_params, ...) called on some ranks only. Find the rank "
+            "stopped; a rank caught an exception in forward or backward and went on (skip a batch on every "
+            "rank or on none); a collective API (state_dict, summon_full_params, ...) called on some ranks "
+            "only. Find the rank "
             "that failed first (run under torchrun with @record for its traceback), then restart from the last "
             f"complete checkpoint (fsdp1.checkpoint.latest). The last collectives this rank issued here: {recent}."
         )
@@ -303,8 +304,9 @@ def _compare_fingerprints(group: ProcessGroup, health: GroupHealth, record: _Rec
     once, where gloo would pair it silently (equal sizes), abort the process (unequal) or wait for
     the timeout. One small all-gather more per collective."""
     dtype = str(record.dtype)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
     mine = torch.tensor([zlib.crc32(record.op.encode()), record.numel, zlib.crc32(dtype.encode()),
-                         zlib.crc32(str(record.about).encode())], dtype=torch.int64)
+                         zlib.crc32(str(record.about).encode())], dtype=torch.int64, device=device)
     every = mine.new_empty(group_size(group) * mine.numel())
     try:
         _all_gather_single(every, mine, group=group)
