@@ -43,11 +43,18 @@ def mesh_groups(mesh: DeviceMesh) -> List[ProcessGroup]:
 
 
 def group_rank(group: ProcessGroup) -> int:
-    return dist.get_rank(group)
+    """This rank within ``group``; asked of the group itself, so that a group made without
+    ``init_process_group`` (a stand-in for planning or tests) answers too, as under torch's FSDP1."""
+    return group.rank()
 
 
 def group_size(group: ProcessGroup) -> int:
-    return dist.get_world_size(group)
+    return group.size()
+
+
+def is_process_group(group: Any) -> bool:
+    """A torch ProcessGroup, or an object that answers ``rank()`` and ``size()`` as one does."""
+    return isinstance(group, ProcessGroup) or (callable(getattr(group, "rank", None)) and callable(getattr(group, "size", None)))
 
 
 def all_gather_into(output: torch.Tensor, local_shard: torch.Tensor, group: ProcessGroup,
@@ -166,6 +173,13 @@ def broadcast_object_from_first(obj: Any, group: ProcessGroup) -> Any:
     return holder[0]
 
 
+def subgroup_of_this_rank(rank_lists: List[List[int]]) -> ProcessGroup:
+    """Make one group per list of global ranks (collective: every rank makes all of them, in the
+    same order) and return the one this rank is in."""
+    group, _ = dist.new_subgroups_by_enumeration(rank_lists)
+    return group
+
+
 def new_gloo_group() -> ProcessGroup:
     """A gloo group over every rank, for collectives run beside training's (a background save).
     Collective: every rank of the default group creates it."""
@@ -218,12 +232,18 @@ class GroupHealth:
     RECENT = 8
 
     def __init__(self, group: ProcessGroup) -> None:
-        self.rank = dist.get_rank()
-        self.ranks = dist.get_process_group_ranks(group)
+        self._group = weakref.ref(group)
         self.issued = 0
         self.recent: Deque[_Record] = deque(maxlen=self.RECENT)
         self.failure: Optional[str] = None
         self.compares_every_collective = os.environ.get("FSDP1_DEBUG_COLLECTIVES") == "1"
+
+    @property
+    def ranks(self) -> List[int]:
+        """The group's global ranks (asked when needed: a group made without ``init_process_group``
+        has none to tell, and never fails a collective)."""
+        group = self._group()
+        return dist.get_process_group_ranks(group) if group is not None else []
 
     def issue(self, op: str, tensor: Optional[torch.Tensor], about: Optional[str]) -> _Record:
         self.raise_if_broken()
@@ -243,11 +263,12 @@ class GroupHealth:
         ``names_the_late``: a timeout means the other ranks did not take part (not so where this rank
         is the one that left the others behind, as after an abandoned iteration)."""
         recent = "; ".join(str(record) for record in self.recent) or "none"
-        others = [rank for rank in self.ranks if rank != self.rank]
+        rank, ranks = dist.get_rank(), self.ranks
+        others = [other for other in ranks if other != rank]
         timed_out = names_the_late and "timed out" in str(error).lower()
         missing = f"; rank(s) {others} did not take part in time" if timed_out else ""
         self.failure = (
-            f"{what} failed on rank {self.rank} (process group of ranks {self.ranks}{missing}): "
+            f"{what} failed on rank {rank} (process group of ranks {ranks}{missing}): "
             f"{type(error).__name__}: {str(error).strip()[:600]}\nThe ranks are no longer in step, so every "
             "further fsdp1 call on this process group raises this error. The usual causes: a rank died or "
             "stopped; a rank caught an exception in forward or backward and went on (skip a batch on every "

@@ -19,6 +19,7 @@ invariants:
 
 import contextlib
 import dataclasses
+import os
 import weakref
 from dataclasses import dataclass
 from enum import Enum, auto
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     from ._mixed_precision import HandlePrecision
 
 FLAT_PARAM = "_flat_param"
+UNSAFE_SETATTR = "FSDP_USE_UNSAFE_SETATTR"  # torch's switch: views bypass a module's own __setattr__
 FLATTENED = "_fsdp_flattened"
 """Marks an original parameter that a unit has flattened (torch's name), so that wrapping the same
 module object twice is refused instead of flattening shard views a second time."""
@@ -188,7 +190,7 @@ class FlatParamHandle(ShardConversions):
         self._owner = owner
         if use_orig_params:  # frozen parameters last, so that the trainable ones' gradient is contiguous
             slots = sorted(slots, key=lambda slot: not slot.param.requires_grad)
-        self._slots, self._shared_slots = _split_shared(slots)
+        self._slots, self._shared_slots, self._alias_fqns = _split_shared(slots)
         self._requires_grad = tuple(slot.param.requires_grad for slot in self._slots)
         replicas = comm.group_size(replicate_group) if replicate_group is not None else 1
         self._pre_divide, self._post_divide = gradient_divide_factors(self.world_size * replicas)
@@ -231,6 +233,11 @@ class FlatParamHandle(ShardConversions):
         self._placeholders = self._make_placeholders()
         for slot in self._slots:
             setattr(slot.param, FLATTENED, True)
+        self._resting_views: List[torch.Tensor] = []  # use_orig_params: what the originals view at rest
+        self._modules_with_setattr = {
+            id(slot.module) for slot in self._all_slots()
+            if type(slot.module).__setattr__ is not nn.Module.__setattr__ and os.environ.get(UNSAFE_SETATTR) != "1"
+        }
         self._install_initial_views()
         self.state = HandleState.UNSHARDED
         if self._needs_unshard:
@@ -334,6 +341,10 @@ class FlatParamHandle(ShardConversions):
     def path(self) -> str:
         return self._path
 
+    def clean_fqn(self, slot: ParamSlot) -> str:
+        """The slot's name from the root, as the user's unwrapped model names it."""
+        return f"{self._path}.{slot.fqn}" if self._path else slot.fqn
+
     def set_path(self, path: str) -> None:
         """The unit's clean path from its root, so that errors name parameters as the user's model does."""
         self._path = path
@@ -368,9 +379,74 @@ class FlatParamHandle(ShardConversions):
         self._owner._parameters[FLAT_PARAM] = self.flat_param
 
     def _point_orig_params_at_shard(self) -> None:
+        self._resting_views = self._views_of_local_part(self._local_shard)
         with torch.no_grad():
-            for slot, view in zip(self._slots, self._views_of_local_part(self._local_shard)):
+            for slot, view in zip(self._slots, self._resting_views):
                 slot.param.data = view
+
+    def write_back_orig_params(self, is_gathered_for_backward: bool = False) -> None:
+        """use_orig_params: take into the shard what the user did to an original parameter at rest,
+        as torch's does: a new ``Parameter`` assigned in its place (it becomes the original; its
+        gradient starts empty) or new ``.data`` assigned to it. Either must have the shape the
+        parameter has at rest (its 1-D part of this rank's shard when sharded); anything else would
+        be dropped silently, so it raises. Between a forward and its backward while the unit stays
+        gathered (SHARD_GRAD_OP, the root) the backward computes on the gathered values, so a change
+        there is refused (``is_gathered_for_backward``). One identity and one pointer check per
+        parameter when nothing changed."""
+        if not self.use_orig_params:
+            return
+        written = False
+        for index, (slot, view) in enumerate(zip(self._slots, self._resting_views)):
+            current = slot.module._parameters.get(slot.attr)
+            if current is None:  # deregistered for a while (a client's own checkpointing)
+                continue
+            if current is slot.param and (view.numel() == 0 or current.data_ptr() == view.data_ptr()):
+                continue
+            where = self.clean_fqn(slot)
+            if is_gathered_for_backward:
+                raise AssertionError(
+                    f"fsdp1: parameter '{where}' was changed between forward and backward; FSDP does not "
+                    "support changing the parameters between forward and backward for a unit that stays "
+                    "gathered for its backward (the root, and every unit under SHARD_GRAD_OP). Change it "
+                    "after backward()."
+                )
+            if current.shape != view.shape:
+                raise RuntimeError(
+                    f"fsdp1: Cannot writeback when the parameter shape changes: '{where}' is {tuple(current.shape)} "
+                    f"on rank {self.rank} but its part of this rank's shard is {tuple(view.shape)}. Assign values "
+                    "inside summon_full_params() (full shapes), or keep the shape the parameter has now."
+                )
+            with torch.no_grad():  # through ``.data``: the shard's version counter is the flat parameter's
+                view.data.copy_(current.detach())
+            if current is not slot.param:
+                self._adopt_orig_param(index, current)
+            current.data = view
+            written = True
+        for slot, primary in self._shared_slots:
+            if slot.module._parameters.get(slot.attr, self._slots[primary].param) is not self._slots[primary].param:
+                raise NotImplementedError(
+                    f"fsdp1: '{self.clean_fqn(slot)}' and '{self.clean_fqn(self._slots[primary])}' shared one parameter when the unit was "
+                    "built, and one of them was replaced since; changing shared parameters after wrapping is "
+                    "not supported. Assign new values in place (param.data.copy_(...)) instead."
+                )
+        if written and self.holds_gathered_copy:
+            self.reshard()  # the gathered copy is stale; the next use gathers the new values
+
+    @property
+    def holds_gathered_copy(self) -> bool:
+        """Unsharded into a buffer apart from the shard (kept for a backward, or inside no_sync)."""
+        return self.state is not HandleState.SHARDED and self._needs_unshard
+
+    def _adopt_orig_param(self, index: int, param: nn.Parameter) -> None:
+        """``param`` replaced the original parameter of slot ``index`` (and its repeats)."""
+        old = self._slots[index].param
+        self._slots = tuple(dataclasses.replace(s, param=param) if i == index else s for i, s in enumerate(self._slots))
+        self._shared_slots = tuple(
+            (dataclasses.replace(s, param=param), i) if i == index else (s, i) for s, i in self._shared_slots
+        )
+        ref, fqn = self._managed_params.pop(id(old))
+        self._managed_params[id(param)] = (weakref.ref(param), fqn)
+        setattr(param, FLATTENED, True)
 
     # ----------------------------------------------------------------------------- queries
     @property
@@ -445,7 +521,7 @@ class FlatParamHandle(ShardConversions):
             self._sync_requires_grad()
         pieces = torch.split(self.flat_param, self._split_sizes)
         self._forward_views = self._param_views(pieces)
-        self._install(self._forward_views, as_parameters=self.use_orig_params)
+        self._install(self._forward_views, as_parameters=self.use_orig_params, through_setattr=True)
         return pieces[0].grad_fn
 
     def use_forward_views(self) -> None:
@@ -503,7 +579,7 @@ class FlatParamHandle(ShardConversions):
         step changed the flat parameter in place."""
         if self.use_orig_params:
             for slot in self._all_slots():
-                slot.module._parameters[slot.attr] = slot.param
+                self._register(slot, slot.param, as_parameter=True, through_setattr=True)
         else:
             self._install(self._unflatten(self._unsharded_buffer.detach()), as_parameters=False)
 
@@ -552,22 +628,36 @@ class FlatParamHandle(ShardConversions):
         """Each parameter's piece of the split unsharded flat parameter, in its own shape."""
         return [pieces[i].view(shape) for i, shape in zip(self._piece_of_param, self._shapes)]
 
-    def _install(self, tensors: Sequence[torch.Tensor], as_parameters: bool) -> None:
+    def _install(self, tensors: Sequence[torch.Tensor], as_parameters: bool, through_setattr: bool = False) -> None:
         """Register ``tensors`` under the original names: in ``_parameters`` (use_orig_params, and
         inside summon_full_params, so the names stay visible), else as plain attributes. Frozen
         original parameters get detached views, so autograd computes no gradient for them."""
         for slot, tensor in zip(self._slots, tensors):
-            if not as_parameters:
-                slot.module.__dict__[slot.attr] = tensor
-            elif slot.param is not None and not slot.param.requires_grad:
-                slot.module._parameters[slot.attr] = tensor.detach()
-            else:
-                slot.module._parameters[slot.attr] = tensor
+            if as_parameters and slot.param is not None and not slot.param.requires_grad:
+                tensor = tensor.detach()
+            self._register(slot, tensor, as_parameters, through_setattr)
         for slot, primary in self._shared_slots:
             first = self._slots[primary]
             source = first.module._parameters if as_parameters else first.module.__dict__
-            target = slot.module._parameters if as_parameters else slot.module.__dict__
-            target[slot.attr] = source[first.attr]
+            self._register(slot, source[first.attr], as_parameters, through_setattr)
+
+    def _register(self, slot: ParamSlot, tensor: torch.Tensor, as_parameter: bool, through_setattr: bool) -> None:
+        """``slot.module.<attr> = tensor``: straight into the module's dicts, or, ``through_setattr``
+        (a forward's views, and the original parameters coming back), through the module's own
+        ``__setattr__`` where its class overrides it, so that a cache keyed on assignment sees them
+        as under torch's FSDP1 (``FSDP_USE_UNSAFE_SETATTR=1`` skips it, as torch's). Placeholders and
+        the views backward re-installs never reach user code."""
+        module = slot.module
+        if through_setattr and id(module) in self._modules_with_setattr:
+            module._parameters.pop(slot.attr, None)
+            module.__dict__.pop(slot.attr, None)
+            setattr(module, slot.attr, tensor)
+            if as_parameter and slot.attr not in module._parameters:
+                module._parameters[slot.attr] = module.__dict__.pop(slot.attr)
+        elif as_parameter:
+            module._parameters[slot.attr] = tensor
+        else:
+            module.__dict__[slot.attr] = tensor
 
     def _all_slots(self) -> List[ParamSlot]:
         return list(self._slots) + [slot for slot, _ in self._shared_slots]
@@ -619,8 +709,10 @@ class FlatParamHandle(ShardConversions):
             finally:  # written back even when the body raised, as torch's
                 try:
                     if writeback:
-                        self._check_full_shapes(views, exposed)
-                        self.load_full_params(exposed)
+                        registered = self._registered_full_params(exposed)
+                        self._check_full_shapes(views, registered)
+                        self._adopt_replaced_orig_params(exposed, registered)
+                        self.load_full_params(registered)
                 finally:
                     self._hide_full_params(restore_grads=grads is not None)
         finally:
@@ -669,19 +761,33 @@ class FlatParamHandle(ShardConversions):
                 param.grad = grad if requires_grad else None
         return exposed
 
+    def _registered_full_params(self, exposed: List[nn.Parameter]) -> List[nn.Parameter]:
+        """What the module holds under each original name now: the parameter exposed, or one the
+        caller assigned in its place, whose values are then written back."""
+        registered = [slot.module._parameters.get(slot.attr) for slot in self._slots]
+        return [param if current is None else current for param, current in zip(exposed, registered)]
+
+    def _adopt_replaced_orig_params(self, exposed: List[nn.Parameter], registered: List[nn.Parameter]) -> None:
+        """use_orig_params: a parameter assigned in place of an original one becomes the original."""
+        if self.use_orig_params:
+            for index, (param, current) in enumerate(zip(exposed, registered)):
+                if current is not param:
+                    self._adopt_orig_param(index, current)
+
     def _check_full_shapes(self, views: List[torch.Tensor], exposed: List[nn.Parameter]) -> None:
         for slot, view, param in zip(self._slots, views, exposed):
             if param.shape != view.shape:
-                raise ValueError(
-                    f"fsdp1: parameter '{slot.fqn}' changed shape from {tuple(view.shape)} to "
-                    f"{tuple(param.shape)} inside summon_full_params; FSDP can only write back values of "
-                    "the same shape. Change values in place (e.g. param.copy_(...)) instead."
+                raise RuntimeError(
+                    f"fsdp1: Cannot writeback when the parameter shape changes: '{self.clean_fqn(slot)}' changed from "
+                    f"{tuple(view.shape)} to {tuple(param.shape)} inside summon_full_params; FSDP can only write "
+                    "back values of the same shape. Change values in place (e.g. param.copy_(...)) instead."
                 )
 
     def _hide_full_params(self, restore_grads: bool) -> None:
         self.reshard()
         if self.use_orig_params:
             self._point_orig_params_at_shard()
+            self.use_resting_views()  # the originals again, also where the caller assigned another
             if restore_grads:  # the originals showed full gradients: back to views of the sharded one
                 self._set_grad_for_optim(self._optim_grad)
         else:
@@ -769,11 +875,26 @@ class FlatParamHandle(ShardConversions):
         self._grad_before_backward = None if before is None else before.to(self.precision.orig_dtype)
         self._span_grad = self.flat_param.grad = None
 
+    def _show_unreduced_grads(self) -> None:
+        """use_orig_params inside ``no_sync``: each original parameter's ``.grad`` is its full-shape part
+        of the locally accumulated (unreduced) gradient, as torch's shows it, for code that reads or
+        clips gradients between micro-batches. Remade after every backward: autograd may replace the
+        accumulated tensor instead of adding into it."""
+        if not self.use_orig_params:
+            return
+        self._orig_grad_views = []  # not the optimizer's gradient: nothing to write back into it
+        for slot, grad, requires_grad in zip(self._slots, self._unflatten(self.flat_param.grad), self._requires_grad):
+            _assign_grad(slot.param, grad if requires_grad else None)
+
     def write_back_orig_grads(self) -> None:
         """use_orig_params: carry what the user did to the original parameters' ``.grad`` into the flat
         gradient: ``None`` (``zero_grad``) zeroes that part, and frees the flat gradient once every
         part is ``None``; a replaced tensor is copied in. Idempotent, so the root runs it at every
-        forward (freeing zeroed gradients before the forward, as torch's) and backward runs it again."""
+        forward (freeing zeroed gradients before the forward, as torch's) and backward runs it again.
+        Inside ``no_sync`` a ``zero_grad`` of every original parameter drops the local accumulation."""
+        if self._grad_is_unreduced and self.use_orig_params and all(slot.param.grad is None for slot in self._slots):
+            self.flat_param.grad = None
+            self._grad_is_unreduced = False
         if self._optim_grad is None or not self._orig_grad_views:
             return
         any_grad = False
@@ -849,6 +970,8 @@ class FlatParamHandle(ShardConversions):
         """End of backward: the optimizer's gradient is the earlier one plus this backward's reduction.
         A unit this backward never reached keeps its gradient as it was."""
         started, self._backward_started = self._backward_started, False
+        if self._grad_is_unreduced and started:
+            self._show_unreduced_grads()
         if self._grad_is_unreduced or not started:
             return
         self._wait_for_offloaded_grads()
@@ -931,27 +1054,39 @@ def _to_host(tensor: torch.Tensor) -> torch.Tensor:
 
 def _assign_grad(param: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
     """``param.grad = grad``, also for a gradient kept in lower precision than the parameter
-    (keep_low_precision_grads), which autograd's setter refuses: it gets a stand-in of the right
-    dtype and shape (no storage of that size), whose data is then swapped, as torch's does."""
-    if grad is None or grad.dtype == param.dtype:
+    (keep_low_precision_grads) or of the full shape while the parameter is a shard (``no_sync``),
+    which autograd's setter refuses: it gets a stand-in of the right dtype and shape (no storage of
+    that size), whose data is then swapped, as torch's does."""
+    if grad is None or (grad.dtype, grad.shape) == (param.dtype, param.shape):
         param.grad = grad
         return
     param.grad = torch.empty(1, dtype=param.dtype, device=param.device).expand(param.shape)
     param.grad.data = grad
 
 
-def _split_shared(slots: Sequence[ParamSlot]) -> Tuple[Tuple[ParamSlot, ...], Tuple[Tuple[ParamSlot, int], ...]]:
-    """First occurrence of each parameter, and every later occurrence with its first's index."""
+_Registrations = Tuple[Tuple[ParamSlot, ...], Tuple[Tuple[ParamSlot, int], ...], Tuple[Tuple[str, int], ...]]
+
+
+def _split_shared(slots: Sequence[ParamSlot]) -> _Registrations:
+    """First occurrence of each parameter; every later registration of it with its first's index;
+    and the other names of a registration already seen: a module registered under two names
+    (``m.b = m.a``) is reached twice with the same attribute, one registration whose second name
+    only state dicts list."""
     first_index: Dict[int, int] = {}  # id(param) -> index in unique: identity, never tensor ==
-    unique, shared = [], []
+    registrations = set()
+    unique, shared, aliases = [], [], []
     for slot in slots:
         index = first_index.get(id(slot.param))
+        if (id(slot.module), slot.attr) in registrations:
+            aliases.append((slot.fqn, index))
+            continue
+        registrations.add((id(slot.module), slot.attr))
         if index is not None:
             shared.append((slot, index))
         else:
             first_index[id(slot.param)] = len(unique)
             unique.append(slot)
-    return tuple(unique), tuple(shared)
+    return tuple(unique), tuple(shared), tuple(aliases)
 
 
 def _alloc_storage(tensor: torch.Tensor, numel: int) -> None:

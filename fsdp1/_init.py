@@ -7,6 +7,7 @@ offending parameter and leaves the user's module exactly as it was.
 
 import dataclasses
 import functools
+import os
 import warnings
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
@@ -48,7 +49,7 @@ def resolve_process_groups(process_group: Any, device_mesh: Any, strategy: Shard
     """Where a unit shards and replicates: the default group, ``process_group``, a 1-D ``device_mesh``,
     or for the hybrid strategies a 2-D mesh (dimension 0 replicates, 1 shards, as torch's) or a
     ``(shard_group, replicate_group)`` pair."""
-    if not comm.is_initialized():
+    if process_group is None and device_mesh is None and not comm.is_initialized():
         raise RuntimeError(
             "fsdp1: torch.distributed is not initialized. Call torch.distributed.init_process_group() "
             "(e.g. under torchrun) before wrapping the model."
@@ -74,7 +75,7 @@ def resolve_process_groups(process_group: Any, device_mesh: Any, strategy: Shard
         groups = tuple(reversed(comm.mesh_groups(device_mesh)))  # (shard, replicate) for 2-D
     elif isinstance(process_group, tuple):
         groups = process_group
-        if hybrid and len(groups) == 2 and not all(isinstance(g, comm.ProcessGroup) for g in groups):
+        if hybrid and len(groups) == 2 and not all(comm.is_process_group(g) for g in groups):
             raise ValueError(
                 "fsdp1: process_group=(shard_group, replicate_group) must hold two torch.distributed "
                 f"ProcessGroups, got ({', '.join(type(g).__name__ for g in groups)})."
@@ -85,7 +86,7 @@ def resolve_process_groups(process_group: Any, device_mesh: Any, strategy: Shard
                 f"HYBRID_SHARD and _HYBRID_SHARD_ZERO2; got a tuple of {len(groups)} with sharding_strategy={strategy}. "
                 "Pass one ProcessGroup, or set the hybrid strategy."
             )
-    elif process_group is not None and not isinstance(process_group, comm.ProcessGroup):
+    elif process_group is not None and not comm.is_process_group(process_group):
         raise ValueError(
             f"fsdp1: process_group must be a torch.distributed ProcessGroup, or for the hybrid strategies a "
             f"tuple (shard_group, replicate_group); got {type(process_group).__name__}."
@@ -95,11 +96,31 @@ def resolve_process_groups(process_group: Any, device_mesh: Any, strategy: Shard
     if hybrid and len(groups) != 2:
         raise ValueError(
             f"fsdp1: sharding_strategy={strategy} shards inside one group of ranks and replicates across "
-            "another, and needs them named: pass device_mesh=init_device_mesh(device_type, (replicas, "
-            "shard_size)) or process_group=(shard_group, replicate_group)."
+            "another, and needs both: pass device_mesh=init_device_mesh(device_type, (replicas, "
+            "shard_size)) or process_group=(shard_group, replicate_group), or neither (one node of "
+            "LOCAL_WORLD_SIZE ranks shards, nodes replicate)."
         )
     replicate = groups[1] if len(groups) == 2 and comm.group_size(groups[1]) > 1 else None
     return ProcessGroups(groups[0], replicate)
+
+
+def node_local_groups() -> Tuple[comm.ProcessGroup, comm.ProcessGroup]:
+    """(shard group, replicate group) for a hybrid strategy given neither ``device_mesh`` nor
+    ``process_group``, as torch's builds them: shard over the ranks of this node, replicate across
+    nodes. A node is ``LOCAL_WORLD_SIZE`` consecutive ranks (set by torchrun); without it the job is
+    one node, which then behaves as FULL_SHARD over its ranks (torch's FSDP1 counts CUDA devices
+    instead, and on a CPU-only job falls back to NO_SHARD with gradients left unsynced)."""
+    world_size = comm.group_size(comm.default_group())
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if local < 1 or world_size % local:
+        raise ValueError(
+            f"fsdp1: HYBRID_SHARD without device_mesh shards within each node of LOCAL_WORLD_SIZE={local} ranks, "
+            f"which does not divide the world size {world_size}. Pass device_mesh=init_device_mesh(device_type, "
+            "(replicas, shard_size)) instead."
+        )
+    shard = comm.subgroup_of_this_rank([list(range(start, start + local)) for start in range(0, world_size, local)])
+    replicate = comm.subgroup_of_this_rank([list(range(first, world_size, local)) for first in range(local)])
+    return shard, replicate
 
 
 def coerce_sharding_strategy(strategy: Optional[ShardingStrategy]) -> ShardingStrategy:
@@ -154,8 +175,8 @@ def resolve_ignored_states(module: nn.Module, ignored_modules: Any, ignored_stat
     """Check and expand ``ignored_modules`` / ``ignored_states``, naming the offending entry."""
     if ignored_modules is not None and ignored_states is not None:
         raise ValueError(
-            "fsdp1: pass ignored_modules or ignored_states, not both; ignored_states takes modules and "
-            "parameters alike (torch deprecates ignored_modules in its favour)."
+            "fsdp1: Cannot pass both ignored_modules and ignored_states at the same time; pass ignored_states, "
+            "which takes modules and parameters alike (torch deprecates ignored_modules in its favour)."
         )
     argument = "ignored_states" if ignored_states is not None else "ignored_modules"
     try:
@@ -164,23 +185,25 @@ def resolve_ignored_states(module: nn.Module, ignored_modules: Any, ignored_stat
         raise TypeError(f"fsdp1: {argument} must be an iterable of modules or parameters, got {type(ignored_states or ignored_modules).__name__}.") from None
     given_params = [x for x in given if isinstance(x, nn.Parameter)]
     given_modules = [x for x in given if isinstance(x, nn.Module)]
+    types = sorted({type(x) for x in given}, key=repr)  # torch's message lists them so
     if len(given_params) + len(given_modules) != len(given) or (given_params and argument == "ignored_modules"):
-        odd = next(x for x in given if not isinstance(x, nn.Module))
-        raise TypeError(
-            f"fsdp1: {argument} must hold nn.Module objects{' or nn.Parameter objects' if argument == 'ignored_states' else ''}, "
-            f"got a {type(odd).__name__}."
-        )
+        fix = "modules or parameters" if argument == "ignored_states" else "modules (parameters go in ignored_states)"
+        expected = "all nn.Parameter or all nn.Module" if argument == "ignored_states" else "nn.Module"
+        raise ValueError(f"fsdp1: {argument} expects {expected} list elements but got types {types}; pass {fix}.")
     if given_params and given_modules:
         raise ValueError(
-            "fsdp1: ignored_states must hold only parameters or only modules, as torch's; it holds both. "
-            "Ignore the modules' parameters instead (ignored_states=[*m.parameters(), p])."
+            f"fsdp1: ignored_states expects all nn.Parameter or all nn.Module list elements but got types {types}: "
+            "it holds both. Ignore the modules' parameters instead (ignored_states=[*m.parameters(), p])."
         )
     names = {id(m): clean_fqn(name) for name, m in module.named_modules()}
     for m in given_modules:
-        if m is module:
-            raise ValueError(
-                f"fsdp1: {argument} holds the module being wrapped itself, which would leave FSDP nothing to "
-                "manage. Ignore its submodules instead, or do not wrap it."
+        if m is module:  # torch's FSDP1 goes on with every parameter ignored: a unit that shards nothing
+            warnings.warn(
+                f"fsdp1: {argument} holds the module being wrapped itself. Trying to ignore the top-level module "
+                "passed into the FSDP constructor itself will result in all parameters being ignored: they stay "
+                "unsharded and their gradients are not averaged across ranks. Ignore its submodules instead, "
+                "or do not wrap it.",
+                stacklevel=3,
             )
         if is_fsdp_unit(m):
             where = f"'{names[id(m)]}'" if id(m) in names else "a module outside this model"
@@ -211,11 +234,11 @@ def auto_wrap(
     for name, submodule in module.named_modules():
         if is_fsdp_unit(submodule):
             raise ValueError(
-                "fsdp1: auto_wrap_policy needs a module without FSDP units inside, but "
+                "fsdp1: FSDP auto wrapping requires modules to not already have FSDP applied, but "
                 f"'{name}' is already a FullyShardedDataParallel unit. Pass the unwrapped module "
                 "with auto_wrap_policy, or wrap every unit by hand without it."
             )
-    planned = plan_auto_wrap(module, policy, ignored.modules, child_kwargs)
+    planned = plan_auto_wrap(module, policy, ignored.modules, child_kwargs, ignored.params)
     plan_full_precision_modules(module, child_kwargs["mixed_precision"], ignored.modules, planned, child_kwargs)
     planned = children_first(module, planned)  # the modules it added where they belong
     plan = _UnitPlan(module, list(planned), ignored)
@@ -511,13 +534,21 @@ def sync_module_states(module: nn.Module, slots: Sequence[ParamSlot], ignored: I
                     work.wait()
 
 
+REQUIRE_SAME_VALUES = "FSDP1_REQUIRE_SAME_VALUES"
+"""Set to 1 to refuse, instead of warn about, ranks that built the model with different values."""
+
+
 def check_same_values(module: nn.Module, ignored: IgnoredStates, groups: ProcessGroups) -> None:
-    """Without ``sync_module_states`` the ranks must have built the same values: each keeps its own
-    shard of what it built, so ranks seeded differently would train a silent mix of their models
-    (pytorch#75870). Before anything is wrapped, each parameter's sum and norm (reductions in its
-    own dtype, so no copy is made; equal values give equal results bitwise) are compared across the
-    ranks in one object all-gather; the first that differs is named by its path. Parameters on the
-    meta device have no values yet, and flattened ones (a unit's shards) differ by design."""
+    """Without ``sync_module_states`` the ranks should have built the same values: each keeps its own
+    shard of what it built, so ranks seeded differently train a mix of their models (pytorch#75870),
+    which torch's FSDP1 accepts silently and scripts rely on (a tutorial whose workers are not seeded
+    alike, a DDP script that seeds each rank for its data order). So different values are warned
+    about on every rank, naming the first parameter and the fixes, and refused only when
+    ``FSDP1_REQUIRE_SAME_VALUES=1``; different shapes or dtypes, which no training survives, are
+    refused. Before anything is wrapped, each parameter's shape, dtype, sum and norm (reductions in
+    its own dtype, so no copy is made; equal values give equal results bitwise) are compared across
+    the ranks in one object all-gather. Parameters on the meta device have no values yet, and
+    flattened ones (a unit's shards) differ by design."""
     slots = [slot for slot in iter_param_slots(module) if not ignored.has_param(slot.param)
              and slot.param.is_floating_point() and not slot.param.is_meta and not _is_flattened(slot.param)]
     unique = list({id(slot.param): slot for slot in slots}.values())
@@ -525,27 +556,41 @@ def check_same_values(module: nn.Module, ignored: IgnoredStates, groups: Process
         return
     with torch.no_grad():
         sums = torch.stack([v.double() for slot in unique for v in (slot.param.sum(), torch.linalg.vector_norm(slot.param))])
-    mine = [value.hex() for value in sums.tolist()]  # hex: exact, and a NaN equals a NaN
+    values = [value.hex() for value in sums.tolist()]  # hex: exact, and a NaN equals a NaN
+    mine = [(tuple(slot.param.shape), str(slot.param.dtype), values[2 * i], values[2 * i + 1]) for i, slot in enumerate(unique)]
     for group in (groups.shard, groups.replicate):
         if group is None or comm.group_size(group) == 1 or comm.is_fake(group):
             continue
         every = comm.all_gather_object(mine, group)
         for rank, theirs in enumerate(every):
-            first = next((i // 2 for i, (a, b) in enumerate(zip(theirs, every[0])) if a != b), None)
+            here, first = comm.global_rank_of(group, rank), comm.global_rank_of(group, 0)
             if len(theirs) != len(every[0]):
                 raise ValueError(
-                    f"fsdp1: the module has {len(theirs) // 2} floating-point parameters on rank "
-                    f"{comm.global_rank_of(group, rank)} but {len(every[0]) // 2} on rank "
-                    f"{comm.global_rank_of(group, 0)}; build the same model on every rank."
+                    f"fsdp1: the module has {len(theirs)} floating-point parameters on rank {here} but "
+                    f"{len(every[0])} on rank {first}; build the same model on every rank."
                 )
-            if first is not None:
-                raise ValueError(
-                    f"fsdp1: '{clean_fqn(unique[first].fqn)}' has other values on rank "
-                    f"{comm.global_rank_of(group, rank)} than on rank {comm.global_rank_of(group, 0)}: the ranks "
-                    "built the model differently (other seeds?), and each would keep its own shard of it, a "
-                    "silent mix. Seed every rank alike before building the model, or pass "
-                    "sync_module_states=True to take the first rank's values."
-                )
+            for slot, (shape, dtype, _, _), (first_shape, first_dtype, _, _) in zip(unique, theirs, every[0]):
+                if (shape, dtype) != (first_shape, first_dtype):
+                    raise ValueError(
+                        f"fsdp1: '{clean_fqn(slot.fqn)}' is {dtype} of shape {shape} on rank {here} but "
+                        f"{first_dtype} of shape {first_shape} on rank {first}; build the same model on every rank."
+                    )
+            differing = next((slot for slot, a, b in zip(unique, theirs, every[0]) if a != b), None)
+            if differing is not None:
+                _report_different_values(clean_fqn(differing.fqn), here, first)
+                return
+
+
+def _report_different_values(fqn: str, rank: int, first: int) -> None:
+    message = (
+        f"fsdp1: '{fqn}' has other values on rank {rank} than on rank {first}: the ranks built the model "
+        "differently (other seeds?), and each keeps its own shard of what it built, so they train a mix of "
+        "their models. Seed every rank alike before building the model, or pass sync_module_states=True "
+        f"to take the first rank's values ({REQUIRE_SAME_VALUES}=1 makes this an error)."
+    )
+    if os.environ.get(REQUIRE_SAME_VALUES) == "1":
+        raise ValueError(message)
+    warnings.warn(message, UserWarning, stacklevel=4)
 
 
 def _check_same_shapes(named: Sequence[Tuple[str, torch.Tensor]], group: comm.ProcessGroup) -> None:

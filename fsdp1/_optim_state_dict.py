@@ -11,6 +11,7 @@ no state for it), so every rank issues the same collectives.
 """
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
 
@@ -247,14 +248,19 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, opt
         _check_every_rank_calls(model, "optim_state_dict_to_load()")
         from_rank0 = kind is StateDictType.FULL_STATE_DICT and getattr(settings.optim_state_dict_config, "rank0_only", False)
         mode = "sharded" if kind is StateDictType.SHARDED_STATE_DICT else "rank0" if from_rank0 else "full"
-        result = _to_load(model, optim, optim_state_dict or {}, mode)
+        group_sizes = [len(group["params"]) for group in optim.param_groups]
+        result = _to_load(model, _params_of(optim), group_sizes, optim_state_dict or {}, mode)
     if load_directly:
         optim.load_state_dict(result)
     return result
 
 
-def _to_load(model: nn.Module, optim: torch.optim.Optimizer, given: State, mode: str) -> State:
-    params = OptimizerParams(model, _params_of(optim))
+def _to_load(model: nn.Module, order: List[nn.Parameter], group_sizes: Optional[List[int]], given: State,
+             mode: str) -> State:
+    """``given`` keyed by the positions of ``order`` (the optimizer's parameters). With the optimizer's
+    ``group_sizes`` its groups are checked against the dict's; without (an older load given no
+    optimizer) the dict's own groups are kept, as torch's."""
+    params = OptimizerParams(model, order)
     by_name = given.get("state", {})
     if mode == "rank0":  # what is not per unit comes from rank 0 as objects (hyper-parameters, plain parameters)
         plain = {fqn: by_name[fqn] for _, fqn in params.plain if fqn in by_name}
@@ -262,11 +268,12 @@ def _to_load(model: nn.Module, optim: torch.optim.Optimizer, given: State, mode:
         given = {"state": {**by_name, **shared["plain"]}, "param_groups": shared["param_groups"]}
         by_name = given["state"]
     groups = given.get("param_groups")
-    if "state" not in given or groups is None or len(groups) != len(optim.param_groups):
+    if "state" not in given or groups is None or (group_sizes is not None and len(groups) != len(group_sizes)):
+        needed = "both" if group_sizes is None else f"{len(group_sizes)} group(s), as this optimizer has"
         raise ValueError(
             f"fsdp1: the optimizer state dict has {len(groups or [])} param group(s) and "
-            f"{'a' if 'state' in given else 'no'} 'state' entry; this optimizer has {len(optim.param_groups)} "
-            "group(s). Pass what FullyShardedDataParallel.optim_state_dict(model, optim) returned for this model."
+            f"{'a' if 'state' in given else 'no'} 'state' entry; it needs {needed}. Pass what "
+            "FullyShardedDataParallel.optim_state_dict(model, optim) returned for this model."
         )
     state: Dict[int, State] = {}
     for entry in params.units:
@@ -274,18 +281,38 @@ def _to_load(model: nn.Module, optim: torch.optim.Optimizer, given: State, mode:
     for position, fqn in params.plain:
         if fqn in by_name:
             state[position] = {k: v.full_tensor() if isinstance(v, DTensor) else _copied(v) for k, v in by_name[fqn].items()}
+    if group_sizes is None:
+        return {"state": state, "param_groups": _groups_by_position(groups, params)}
     start, loaded_groups = 0, []
-    for group, current in zip(groups, optim.param_groups):
-        expected = [f for p in range(start, start + len(current["params"])) for f in params.fqns_at[p]]
+    for group, size in zip(groups, group_sizes):
+        expected = [f for p in range(start, start + size) for f in params.fqns_at[p]]
         if sorted(group["params"]) != sorted(expected):  # by name: another wrapping may order them otherwise
             raise ValueError(
                 f"fsdp1: param group {len(loaded_groups)} of the optimizer state dict holds {_few(group['params'])}, "
                 f"this optimizer's holds {_few(expected)}; build the optimizer with the same groups as the saved one."
             )
         loaded_groups.append({**{k: v for k, v in group.items() if k != "params"},
-                              "params": list(range(start, start + len(current["params"])))})
-        start += len(current["params"])
+                              "params": list(range(start, start + size))})
+        start += size
     return {"state": state, "param_groups": loaded_groups}
+
+
+def _groups_by_position(groups: List[State], params: OptimizerParams) -> List[State]:
+    """The dict's param groups with each name replaced by its parameter's position (a flat
+    parameter's once, sorted): what torch's older loads give when no optimizer is passed."""
+    position_of = {fqn: position for position, fqns in params.fqns_at.items() for fqn in fqns}
+    loaded = []
+    for index, group in enumerate(groups):
+        unknown = [name for name in group["params"] if name not in position_of]
+        if unknown:
+            raise ValueError(
+                f"fsdp1: param group {index} of the optimizer state dict holds {_few(unknown)} that the "
+                "parameters it is loaded for (model.parameters(), or optim_input) do not hold; pass optim= "
+                "(the optimizer to load into), or the state dict saved with this model."
+            )
+        loaded.append({**{k: v for k, v in group.items() if k != "params"},
+                       "params": sorted({position_of[name] for name in group["params"]})})
+    return loaded
 
 
 class _TensorState:
@@ -403,40 +430,76 @@ def _as(model: nn.Module, kind: StateDictType, rank0_only: bool = False) -> Iter
         yield
 
 
-def _require_optim(optim: Optional[torch.optim.Optimizer], api: str) -> torch.optim.Optimizer:
-    if optim is None:
-        raise ValueError(
-            f"fsdp1: {api}() needs optim= (the optimizer of the wrapped model); the deprecated optim_input= is "
-            "not supported."
-        )
-    return optim
+def _warn_deprecated(api: str, replacement: str) -> None:
+    """torch's FutureWarning for each older function, with its phrase, pointing at the caller's line
+    (the frames between: the function here and the class's static method)."""
+    warnings.warn(
+        f"fsdp1: FullyShardedDataParallel.{api} is being deprecated and is replaced by "
+        f"FullyShardedDataParallel.{replacement}, as in torch's FSDP1.",
+        FutureWarning,
+        stacklevel=4,
+    )
 
 
 def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, rank0_only: bool = True) -> State:
+    _warn_deprecated("full_optim_state_dict", "optim_state_dict")
     with _as(model, StateDictType.FULL_STATE_DICT, rank0_only):
         return optim_state_dict(model, optim)
 
 
 def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer) -> State:
+    _warn_deprecated("sharded_optim_state_dict", "optim_state_dict")
     with _as(model, StateDictType.SHARDED_STATE_DICT):
         return optim_state_dict(model, optim)
 
 
-def shard_full_optim_state_dict(full: State, model: nn.Module, optim: Optional[torch.optim.Optimizer]) -> State:
+def shard_full_optim_state_dict(full: State, model: nn.Module, optim: Optional[torch.optim.Optimizer],
+                                optim_input: Any = None) -> State:
     """Every rank holds ``full`` and keeps its shard of it; no communication."""
-    with _as(model, StateDictType.FULL_STATE_DICT):
-        return optim_state_dict_to_load(model, _require_optim(optim, "shard_full_optim_state_dict"), full)
+    _warn_deprecated("shard_full_optim_state_dict", "optim_state_dict_to_load")
+    return _full_to_load(full, model, optim, optim_input, rank0_only=False)
 
 
 def flatten_sharded_optim_state_dict(sharded: State, model: nn.Module, optim: torch.optim.Optimizer) -> State:
+    _warn_deprecated("flatten_sharded_optim_state_dict", "optim_state_dict_to_load")
     with _as(model, StateDictType.SHARDED_STATE_DICT):
         return optim_state_dict_to_load(model, optim, sharded)
 
 
-def scatter_full_optim_state_dict(full: Optional[State], model: nn.Module, optim: Optional[torch.optim.Optimizer]) -> State:
+def scatter_full_optim_state_dict(full: Optional[State], model: nn.Module, optim: Optional[torch.optim.Optimizer],
+                                  optim_input: Any = None) -> State:
     """Rank 0 holds ``full`` (the others pass None) and sends each rank its shard, unit by unit."""
-    with _as(model, StateDictType.FULL_STATE_DICT, rank0_only=True):
-        return optim_state_dict_to_load(model, _require_optim(optim, "scatter_full_optim_state_dict"), full)
+    _warn_deprecated("scatter_full_optim_state_dict", "optim_state_dict_to_load")
+    return _full_to_load(full, model, optim, optim_input, rank0_only=True)
+
+
+def _full_to_load(full: Optional[State], model: nn.Module, optim: Optional[torch.optim.Optimizer], optim_input: Any,
+                  rank0_only: bool) -> State:
+    """A FULL dict for ``optim``; without one, as torch's older loads, for an optimizer built on
+    ``optim_input`` (its parameters or param groups, deprecated) or else on ``model.parameters()``,
+    keeping the dict's own param groups."""
+    if optim is not None:
+        with _as(model, StateDictType.FULL_STATE_DICT, rank0_only):
+            return optim_state_dict_to_load(model, optim, full)
+    if optim_input is not None:
+        warnings.warn(
+            "fsdp1: The `optim_input` argument is deprecated, as in torch's FSDP1; pass optim= (the optimizer "
+            "to load into) instead.",
+            FutureWarning,
+            stacklevel=4,
+        )
+    _check_every_rank_calls(model, "optim_state_dict_to_load()")
+    order = list(model.parameters()) if optim_input is None else _params_in(optim_input)
+    return _to_load(model, order, None, full or {}, "rank0" if rank0_only else "full")
+
+
+def _params_in(optim_input: Any) -> List[nn.Parameter]:
+    """What an optimizer built on ``optim_input`` (parameters, or param-group dicts) numbers, in order."""
+    params: List[nn.Parameter] = []
+    for item in optim_input:
+        group = item["params"] if isinstance(item, dict) else [item]
+        params.extend([group] if isinstance(group, torch.Tensor) else group)
+    return params
 
 
 def rekey_optim_state_dict(optim_state_dict: State, by_name: bool, model: nn.Module,

@@ -271,6 +271,7 @@ def adopt_replaced_flat_params(module: "torch.nn.Module") -> None:
     for unit in fsdp_units(module):
         if unit._handle is not None:
             unit._handle.adopt_replaced_flat_param()
+            unit._handle.write_back_orig_params()
 
 
 class WeakPartial:
@@ -347,8 +348,8 @@ def pre_forward(
     unit: "Unit", module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]
 ) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
     with record_function("FSDP::pre_forward"):
-        if unit.training_state is TrainingState.SUMMON_FULL_PARAMS:
-            raise RuntimeError(
+        if unit.training_state is TrainingState.SUMMON_FULL_PARAMS:  # torch's raises AssertionError too
+            raise AssertionError(
                 "fsdp1: forward was called inside summon_full_params(), which FSDP does not support. "
                 "Run the forward after leaving the context."
             )
@@ -400,6 +401,7 @@ def _start_iteration(unit: "Unit") -> None:
     enabled) may hold values an optimizer step has since changed: gather it afresh. Inside
     ``no_sync`` SHARD_GRAD_OP keeps its gathered parameters on purpose, and no step comes between.
     A flat parameter a client replaced (Accelerate's upcast) becomes the shard."""
+    unit._handle.write_back_orig_params()  # first: resharding puts the originals back in the module
     if unit._sync_gradients:
         unit._handle.reshard()
     unit._handle.adopt_replaced_flat_param()
@@ -479,6 +481,7 @@ def _pre_backward(unit: "Unit", grad: torch.Tensor) -> None:
         if handle is not None:
             if handle.is_sharded:
                 state.finish_reductions()
+            handle.write_back_orig_params(is_gathered_for_backward=handle.holds_gathered_copy)
             _gather(handle, HandleTrainingState.BACKWARD_PRE)
             handle.use_forward_views()
             if unit.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:

@@ -28,6 +28,7 @@ class ShardConversions:
     use_orig_params: bool
     _slots: Tuple[Any, ...]  # ParamSlot, first registrations in flat order
     _shared_slots: Tuple[Tuple[Any, int], ...]  # later registrations of tied parameters, with their index
+    _alias_fqns: Tuple[Tuple[str, int], ...]  # other names of a module registered under several
     _shapes: Tuple[torch.Size, ...]
     _layout: FlatLayout
     _shard_infos: Tuple[ParamShardInfo, ...]
@@ -48,8 +49,10 @@ class ShardConversions:
 
     def slot_fqns(self) -> List[Tuple[str, int]]:
         """Every registration's name (relative to the unit) with the index of its parameter in flat
-        order: first registrations in order, then the later ones of tied parameters."""
-        return [(slot.fqn, i) for i, slot in enumerate(self._slots)] + [(slot.fqn, i) for slot, i in self._shared_slots]
+        order: first registrations in order, then the later ones of tied parameters, then the other
+        names of a module registered under several."""
+        return ([(slot.fqn, i) for i, slot in enumerate(self._slots)] + [(slot.fqn, i) for slot, i in self._shared_slots]
+                + list(self._alias_fqns))
 
     @contextlib.contextmanager
     def names_registered(self, placeholder: torch.Tensor) -> Iterator[None]:
@@ -67,11 +70,14 @@ class ShardConversions:
     def load_full_params(self, values: Sequence[Optional[torch.Tensor]]) -> None:
         """Copy this rank's part of each full value (in flat order; None keeps the parameter) into
         the local shard; no communication. The shard changes in place, so optimizer references stay;
-        a gathered copy is dropped, so the next use gathers the new values."""
+        a gathered copy is dropped, so the next use gathers the new values. The write bypasses the
+        shard's autograd version counter (``.data``), which the flat parameter shares: views a forward
+        saved for its backward stay valid across a ``summon_full_params`` between the two."""
+        shard = self._local_shard.data
         with torch.no_grad():
             for info, value in zip(self._shard_infos, values):
                 if value is not None and info.in_shard:
-                    self._local_shard[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard].copy_(piece_in_shard(info, value))
+                    shard[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard].copy_(piece_in_shard(info, value))
         self.reshard()
 
     def dim0_chunks(self) -> List[torch.Tensor]:

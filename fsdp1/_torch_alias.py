@@ -5,10 +5,15 @@ FSDP units by torch's class (HF Accelerate, the Transformers Trainer, Lightning,
 Those clients import ``FullyShardedDataParallel`` from ``torch.distributed.fsdp`` or from
 ``torch.distributed.fsdp.fully_sharded_data_parallel`` when they need it, and test
 ``isinstance(model, FSDP)`` or even ``type(model) is FSDP``; a subclass of torch's class would fail
-the latter. So both module attributes are pointed at fsdp1's class, and put back on undo. torch's
-``torch.distributed.checkpoint.state_dict`` binds the class when it is imported and asks a private
-helper for each unit's FSDP state; both names there are replaced too. This is the one place the
-library touches ``torch.distributed.fsdp``, and only when asked: importing fsdp1 does not import it.
+the latter. So both module attributes are pointed at fsdp1's class, and put back on undo; likewise
+``ShardedGradScaler``, which Lightning and Accelerate import from
+``torch.distributed.fsdp.sharded_grad_scaler`` for fp16, so that what such a client builds is
+fsdp1's throughout. torch's ``torch.distributed.checkpoint.state_dict`` binds the class when it is
+imported and asks a private helper for each unit's FSDP state; both names there are replaced too.
+torch's ``wrap`` module is left alone: fsdp1 plans torch's policies as torch does, and torch's
+``enable_wrap`` / ``wrap`` take any wrapper class, while torch's activation checkpointing imports
+its private helpers from there. This is the one place the library touches
+``torch.distributed.fsdp``, and only when asked: importing fsdp1 does not import it.
 """
 
 import importlib
@@ -17,9 +22,13 @@ from typing import Any, Callable, List, Optional, Tuple
 from torch import nn
 
 from .fully_sharded_data_parallel import FullyShardedDataParallel
+from .sharded_grad_scaler import ShardedGradScaler
 
 TORCH_FSDP_MODULES = ("torch.distributed.fsdp", "torch.distributed.fsdp.fully_sharded_data_parallel")
 """Where clients import torch's FSDP1 class from."""
+
+TORCH_SCALER_MODULES = ("torch.distributed.fsdp.sharded_grad_scaler", "torch.distributed.fsdp")
+"""Where clients import torch's ShardedGradScaler from (the package only in the versions that export it)."""
 
 TORCH_STATE_DICT_HELPERS = "torch.distributed.checkpoint.state_dict"
 """torch's ``get_state_dict`` / ``set_state_dict`` family, which binds the class at import."""
@@ -37,8 +46,8 @@ def _unit_state_or(torch_lookup: Callable[[nn.Module], Optional[Any]]) -> Callab
 
 class use_as_torch_fsdp:  # noqa: N801 - used as a function, as torch's own context-manager functions are
     """Make ``torch.distributed.fsdp.FullyShardedDataParallel`` (at both of its import paths, and in
-    ``torch.distributed.checkpoint.state_dict``) be fsdp1's class, so that a client that builds and
-    recognises FSDP units by torch's name uses fsdp1.
+    ``torch.distributed.checkpoint.state_dict``) be fsdp1's class, and torch's ``ShardedGradScaler``
+    fsdp1's, so that a client that builds and recognises FSDP units by torch's name uses fsdp1.
 
     Call it once before the client builds its model (``fsdp1.use_as_torch_fsdp()``), or use it as a
     context manager, which puts torch's names back on exit. A client module that bound torch's class
@@ -57,6 +66,9 @@ class use_as_torch_fsdp:  # noqa: N801 - used as a function, as torch's own cont
             replacements = [(importlib.import_module(name), "FullyShardedDataParallel", FullyShardedDataParallel)
                             for name in TORCH_FSDP_MODULES]
             lookup = "_get_module_fsdp_state_if_fully_sharded_module"
+            replacements += [(module, "ShardedGradScaler", ShardedGradScaler)
+                             for module in map(importlib.import_module, TORCH_SCALER_MODULES)
+                             if hasattr(module, "ShardedGradScaler")]
             replacements += [(helpers, "FSDP", FullyShardedDataParallel),
                              (helpers, lookup, _unit_state_or(getattr(helpers, lookup)))]
             for module, attribute, value in replacements:

@@ -31,12 +31,17 @@ def summon_full_params(
     ``rank0_only``: only global rank 0 holds them; the other ranks take part in the gathers and free
     the result at once. ``offload_to_cpu``: the full parameters are CPU copies (no copy when the
     compute device is the CPU). ``with_grads``: each one's ``.grad`` is the full averaged gradient,
-    with either ``use_orig_params`` value (torch's needs it True).
+    with either ``use_orig_params`` value (torch's needs it True). ``offload_to_cpu`` also works for
+    NO_SHARD units, which torch's refuses.
+
+    Misuse raises torch's exception types: ``NotImplementedError`` for ``writeback`` with
+    ``rank0_only``, ``AssertionError`` inside forward or backward and when nested.
     """
     if writeback and rank0_only:
-        raise ValueError(
-            "fsdp1: summon_full_params(writeback=True, rank0_only=True) cannot write back: the other ranks "
-            "hold no full parameters to take their shards from. Pass writeback=False with rank0_only=True."
+        raise NotImplementedError(
+            "fsdp1: summon_full_params(writeback=True, rank0_only=True) cannot write back (writeback=True and "
+            "rank0_only=True is not supported): the other ranks hold no full parameters to take their shards "
+            "from. Pass writeback=False with rank0_only=True."
         )
     units = fsdp_units(module) if recurse else ([module] if is_fsdp_unit(module) else [])
     _check_idle(module, units)
@@ -61,11 +66,12 @@ def _check_idle(module: nn.Module, units: List[nn.Module]) -> None:
         path = unit._root_state.path_of(unit) if unit._root_state is not None else paths.get(unit)
         where = f"unit '{path}'" if path else "the root unit"
         if unit.training_state is TrainingState.SUMMON_FULL_PARAMS:
-            raise RuntimeError(
-                f"fsdp1: summon_full_params() was entered again for {where}, whose parameters are already "
-                "gathered by an enclosing summon_full_params(); use the outer context alone."
+            raise AssertionError(
+                f"fsdp1: Cannot manually unshard parameters when already unsharding parameters: "
+                f"summon_full_params() was entered again for {where}, whose parameters are already gathered "
+                "by an enclosing summon_full_params(); use the outer context alone."
             )
-        raise RuntimeError(
-            f"fsdp1: summon_full_params() cannot gather {where} during its forward or backward; call it "
-            "between training steps (after backward() has returned)."
+        raise AssertionError(
+            f"fsdp1: Cannot manually unshard parameters during forward/backward: summon_full_params() "
+            f"cannot gather {where} now; call it between training steps (after backward() has returned)."
         )

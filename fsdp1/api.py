@@ -179,6 +179,6 @@ def coerce_config(config: object, config_cls: Type[ConfigT], argument: str, purp
         names = [field.name for field in dataclasses.fields(config_cls)]  # type: ignore[arg-type]
         return config_cls(**{name: getattr(config, name) for name in names if hasattr(config, name)})
     raise RuntimeError(
-        f"fsdp1: expected {argument} of type {config_cls.__name__}{purpose}, but got "
+        f"fsdp1: Expected {argument} of type {config_cls.__name__}{purpose}, but got "  # torch's phrase
         f"{type(config).__name__}; pass {config_cls.__name__}(...) (fsdp1's or torch's)."
     )

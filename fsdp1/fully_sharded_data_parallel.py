@@ -85,6 +85,8 @@ class FullyShardedDataParallel(nn.Module):
             mixed_precision = checked_precision(coerce_config(mixed_precision, MixedPrecision, "mixed_precision"))
         _init.check_param_init_fn(param_init_fn)
         strategy = _init.coerce_sharding_strategy(sharding_strategy)
+        if strategy in HYBRID_STRATEGIES and process_group is None and device_mesh is None and comm.is_initialized():
+            process_group = _init.node_local_groups()  # made once; the units auto-wrapping builds share them
         groups = _init.resolve_process_groups(process_group, device_mesh, strategy)
         self.process_group = groups.shard
         self.rank = comm.group_rank(self.process_group)
@@ -220,7 +222,10 @@ class FullyShardedDataParallel(nn.Module):
     def apply(self, fn: Callable[[nn.Module], None]) -> "FullyShardedDataParallel":
         """``nn.Module.apply`` with this unit's parameters gathered, so that ``fn`` sees their full
         shapes (``xavier_uniform_`` needs them) and what it writes is what trains; nested units gather
-        their own as ``apply`` reaches them, so only one unit is unsharded at a time."""
+        their own as ``apply`` reaches them, so only one unit is unsharded at a time. Refused with
+        torch's ``ValueError`` unless this unit is idle."""
+        self._assert_state(TrainingState.IDLE, "apply() gathers the parameters itself; call it outside "
+                           "summon_full_params(), forward and backward")
         with summon_full_params(self, recurse=False, writeback=True):
             return super().apply(fn)
 
@@ -282,6 +287,20 @@ class FullyShardedDataParallel(nn.Module):
         _runtime.lazy_init(self)
         return bool(self._is_root)
 
+    def _assert_state(self, state: Union[Enum, Sequence[Enum]], fix: str = "") -> None:
+        """torch's check, which its test helpers call after every step, that this unit is in ``state``
+        (or in one of a list). Members of fsdp1's ``TrainingState`` and of torch's are accepted alike,
+        by name. Raises ``ValueError``, as torch's does, naming the unit and its state."""
+        expected = [state] if isinstance(state, Enum) else list(state)
+        if self.training_state.name in [s.name for s in expected]:
+            return
+        path = self._root_state.path_of(self) if self._root_state is not None else None
+        where = "this unit" if path is None else f"unit '{path}'" if path else "the root unit"
+        raise ValueError(
+            f"fsdp1: {where} expected to be in states {[s.name for s in expected]} but current state is "
+            f"{self.training_state.name}" + (f"; {fix}." if fix else ".")
+        )
+
     summon_full_params = staticmethod(summon_full_params)
     @staticmethod
     def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: Optional[Dict[str, Any]] = None,
@@ -314,8 +333,9 @@ class FullyShardedDataParallel(nn.Module):
     @staticmethod
     def shard_full_optim_state_dict(full_optim_state_dict: Dict[str, Any], model: nn.Module, optim_input: Any = None,
                                     optim: Optional[torch.optim.Optimizer] = None) -> Dict[str, Any]:
-        """The older API: each rank's part of a FULL dict that every rank holds, for ``optim.load_state_dict``."""
-        return _optim_state_dict.shard_full_optim_state_dict(full_optim_state_dict, model, optim)
+        """The older API: each rank's part of a FULL dict that every rank holds, for ``optim.load_state_dict``
+        of ``optim`` (or, as torch's, of an optimizer built on ``model.parameters()``, or on ``optim_input``)."""
+        return _optim_state_dict.shard_full_optim_state_dict(full_optim_state_dict, model, optim, optim_input)
 
     @staticmethod
     def flatten_sharded_optim_state_dict(sharded_optim_state_dict: Dict[str, Any], model: nn.Module,
@@ -327,8 +347,9 @@ class FullyShardedDataParallel(nn.Module):
     def scatter_full_optim_state_dict(full_optim_state_dict: Optional[Dict[str, Any]], model: nn.Module,
                                       optim_input: Any = None, optim: Optional[torch.optim.Optimizer] = None,
                                       group: Optional[Any] = None) -> Dict[str, Any]:
-        """The older API: rank 0 holds the FULL dict (the others pass None) and sends each rank its part."""
-        return _optim_state_dict.scatter_full_optim_state_dict(full_optim_state_dict, model, optim)
+        """The older API: rank 0 holds the FULL dict (the others pass None) and sends each rank its part
+        (for ``optim``, or as ``shard_full_optim_state_dict`` without it)."""
+        return _optim_state_dict.scatter_full_optim_state_dict(full_optim_state_dict, model, optim, optim_input)
 
     @staticmethod
     def rekey_optim_state_dict(optim_state_dict: Dict[str, Any], optim_state_key_type: "OptimStateKeyType",
@@ -359,8 +380,9 @@ class FullyShardedDataParallel(nn.Module):
         _runtime.lazy_init(self)
         if not self._is_root:
             raise RuntimeError(
-                f"fsdp1: clip_grad_norm_() was called on the inner FSDP unit '{self._root_state.path_of(self)}'; "
-                "call it on the root (the model you run forward on), which sees every unit's gradients."
+                f"fsdp1: clip_grad_norm_() should only be called on the root FSDP instance, but was called on "
+                f"the inner FSDP unit '{self._root_state.path_of(self)}'; call it on the model you run forward on, "
+                "which sees every unit's gradients."
             )
         if any(unit.training_state is not TrainingState.IDLE for unit in self._root_state.units):
             raise RuntimeError("fsdp1: clip_grad_norm_() was called during forward or backward; call it after backward().")

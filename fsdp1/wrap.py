@@ -7,14 +7,16 @@ submodules children-first. Two kinds of policy exist, as in torch: callables
 ``(module, recurse, nonwrapped_numel) -> bool`` (``always_wrap_policy``, ``lambda_auto_wrap_policy``,
 ``transformer_auto_wrap_policy``, ``size_based_auto_wrap_policy``, with their extra arguments bound by
 ``functools.partial``), planned by a depth-first recursion that counts the numel not yet wrapped; and
-``_Policy`` objects (``ModuleWrapPolicy``, ``CustomPolicy``) that map modules to unit kwargs directly.
-``enable_wrap`` and ``wrap`` annotate modules by hand.
+``_Policy`` objects (``ModuleWrapPolicy``, ``CustomPolicy``, or torch's own) that map modules to unit
+kwargs directly. ``enable_wrap`` and ``wrap`` annotate modules by hand. The private helpers of torch's
+wrap module that clients import (``_or_policy``, ``_module_wrap_policy``,
+``_wrap_module_cls_individually``, ``_recursive_wrap``) exist here with torch's signatures.
 """
 
 import contextlib
 import copy
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Set, Tuple, Type, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Sequence, Set, Tuple, Type, Union
 
 from torch import nn
 
@@ -57,7 +59,7 @@ class ModuleWrapPolicy(_Policy):
 
     def __call__(self, module: nn.Module, recurse: bool, *args: Any, **kwargs: Any) -> bool:
         """The legacy callable form: recurse everywhere, wrap instances of the classes."""
-        return True if recurse else isinstance(module, self._module_classes)
+        return _module_wrap_policy(module, recurse, -1, self._module_classes)
 
     def __repr__(self) -> str:
         return super().__repr__() + f"({self._module_classes_str})"
@@ -96,12 +98,33 @@ def lambda_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: 
     return True if recurse else bool(lambda_fn(module))
 
 
+def _module_wrap_policy(
+    module: nn.Module, recurse: bool, nonwrapped_numel: int, module_classes: Iterable[Type[nn.Module]]
+) -> bool:
+    """Recurse everywhere; wrap instances of ``module_classes``: the callable form of
+    ``ModuleWrapPolicy``, which clients combine with others through ``_or_policy``."""
+    return True if recurse else isinstance(module, tuple(module_classes))
+
+
 def transformer_auto_wrap_policy(
     module: nn.Module, recurse: bool, nonwrapped_numel: int, transformer_layer_cls: Set[Type[nn.Module]]
 ) -> bool:
     """Recurse everywhere; wrap instances of ``transformer_layer_cls`` (the layers, leaving shared
     embeddings to their common parent)."""
-    return True if recurse else isinstance(module, tuple(transformer_layer_cls))
+    return _module_wrap_policy(module, recurse, nonwrapped_numel, transformer_layer_cls)
+
+
+def _wrap_module_cls_individually(module: nn.Module, module_classes: Sequence[type], recurse: bool, *args: Any,
+                                  **kwargs: Any) -> bool:
+    """``_module_wrap_policy`` with torch's other argument order (classes second), kept because
+    clients bind ``module_classes`` by keyword and pass it to ``_or_policy``."""
+    return _module_wrap_policy(module, recurse, -1, module_classes)
+
+
+def _or_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int, policies: Iterable[Callable[..., bool]]) -> bool:
+    """Recurse, or wrap, where any of the callable ``policies`` says so: how PEFT and llama-cookbook
+    wrap both the transformer layers and the trainable leaves of a LoRA model."""
+    return any(policy(module=module, recurse=recurse, nonwrapped_numel=nonwrapped_numel) for policy in policies)
 
 
 def size_based_auto_wrap_policy(
@@ -161,39 +184,83 @@ AutoWrapPolicy = Union[_Policy, Callable[..., bool]]
 
 
 def plan_auto_wrap(
-    root: nn.Module, policy: AutoWrapPolicy, ignored_modules: Set[nn.Module], root_kwargs: Dict[str, Any]
+    root: nn.Module,
+    policy: AutoWrapPolicy,
+    ignored_modules: Set[nn.Module],
+    root_kwargs: Dict[str, Any],
+    ignored_params: Iterable[nn.Parameter] = (),
 ) -> Dict[nn.Module, Dict[str, Any]]:
     """The submodules of ``root`` (never ``root`` itself) to wrap, children before parents, with
-    the kwargs of each unit. Reads the tree only."""
-    if not isinstance(policy, _Policy) and not callable(policy):
+    the kwargs of each unit. Reads the tree only. ``ignored_params`` do not count towards the numel
+    a callable policy is shown, as in torch."""
+    if not _is_policy_object(policy) and not callable(policy):
         raise ValueError(
             f"fsdp1: auto_wrap_policy must be a policy object (ModuleWrapPolicy, CustomPolicy) or a callable "
             f"(module, recurse, nonwrapped_numel) -> bool such as functools.partial(transformer_auto_wrap_policy, "
             f"transformer_layer_cls={{Block}}), got {type(policy).__name__}."
         )
-    if isinstance(policy, _Policy):
+    if _is_policy_object(policy):
         targets = policy._run_policy(root, ignored_modules, root_kwargs)
         targets.pop(root, None)
         return children_first(root, targets)
     planned: Dict[nn.Module, Dict[str, Any]] = {}
-    _plan_legacy(root, policy, ignored_modules, planned, root_kwargs, is_root=True)
+    ignored_ids = {id(p) for p in ignored_params}
+    _plan_legacy(root, policy, ignored_modules, ignored_ids, planned, root_kwargs, may_wrap=False)
     return planned
 
 
-def _plan_legacy(module, policy, ignored_modules, planned, root_kwargs, is_root) -> int:
-    """Numel that ``module`` contributes to units planned at or below it (legacy recursion)."""
-    nonwrapped_numel = sum(p.numel() for p in module.parameters())
+def _is_policy_object(policy: Any) -> bool:
+    """fsdp1's ``_Policy``, or torch's (same ``_run_policy``), so that a client's
+    ``torch.distributed.fsdp.wrap.CustomPolicy`` plans under ``use_as_torch_fsdp`` as under torch."""
+    return isinstance(policy, _Policy) or callable(getattr(policy, "_run_policy", None))
+
+
+def _plan_legacy(module, policy, ignored_modules, ignored_ids, planned, root_kwargs, may_wrap) -> int:
+    """Numel that ``module`` contributes to units planned at or below it (legacy recursion);
+    ``module`` itself is planned only if ``may_wrap``."""
+    nonwrapped_numel = sum(p.numel() for p in module.parameters() if id(p) not in ignored_ids)
     if not policy(module=module, recurse=True, nonwrapped_numel=nonwrapped_numel):
         return 0
     wrapped_numel = 0
     for child in module.children():
         if child not in ignored_modules and child not in planned:
-            wrapped_numel += _plan_legacy(child, policy, ignored_modules, planned, root_kwargs, False)
+            wrapped_numel += _plan_legacy(child, policy, ignored_modules, ignored_ids, planned, root_kwargs, True)
     remainder = nonwrapped_numel - wrapped_numel
-    if not is_root and policy(module=module, recurse=False, nonwrapped_numel=remainder):
+    if may_wrap and policy(module=module, recurse=False, nonwrapped_numel=remainder):
         planned[module] = copy.copy(root_kwargs)
         return nonwrapped_numel
     return wrapped_numel
+
+
+def _recursive_wrap(
+    module: nn.Module,
+    auto_wrap_policy: Callable[..., bool],
+    wrapper_cls: Callable[..., nn.Module],
+    ignored_modules: Set[nn.Module],
+    ignored_params: Set[nn.Parameter],
+    only_wrap_children: bool = False,
+    **kwargs: Any,
+) -> Tuple[nn.Module, int]:
+    """torch's recursive wrapper, which clients call to wrap with a wrapper of their own (activation
+    checkpointing, an FSDP subclass): each submodule the callable ``auto_wrap_policy`` picks, and
+    ``module`` itself unless ``only_wrap_children``, becomes ``wrapper_cls(submodule, **kwargs)``.
+    Returns ``module`` or its wrapper, and the numel wrapped."""
+    if isinstance(wrapper_cls, type):
+        for name, child in module.named_modules():
+            if child not in ignored_modules and isinstance(child, wrapper_cls):
+                where = f"submodule '{name}'" if name else "the module"
+                raise AssertionError(
+                    f"fsdp1: _recursive_wrap: {where} is already wrapped by {wrapper_cls.__name__}; "
+                    "pass the module before wrapping any of it."
+                )
+    planned: Dict[nn.Module, Dict[str, Any]] = {}
+    ignored_ids = {id(p) for p in ignored_params}
+    numel = _plan_legacy(module, auto_wrap_policy, ignored_modules, ignored_ids, planned, kwargs, not only_wrap_children)
+    wraps_module = planned.pop(module, None) is not None
+    apply_wrap(module, children_first(module, planned), wrapper_cls)
+    if wraps_module:
+        return wrapper_cls(module, **{**kwargs, **getattr(module, "_wrap_overrides", {})}), numel
+    return module, numel
 
 
 def children_first(root: nn.Module, planned: Dict[nn.Module, Dict[str, Any]]) -> Dict[nn.Module, Dict[str, Any]]:

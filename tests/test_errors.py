@@ -98,11 +98,6 @@ def _already_wrapped():
     return model
 
 
-def _seeded_by_rank():
-    torch.manual_seed(dist.get_rank())  # a data-parallel script's per-rank seed, set before the model
-    return Blocks()
-
-
 def _tied_weight_split_by_hand():
     model = Blocks()
     model.head = nn.Linear(4, 4)
@@ -161,10 +156,6 @@ def _head(model):
 
 def _head_and_a_weight(model):
     return [model.head, model.blocks[0].weight]
-
-
-def _itself(model):
-    return [model]
 
 
 def _the_unit(model):
@@ -228,15 +219,11 @@ class TestErrors(expecttest.TestCase):
         self.assertExpectedInline(self.construction_error(_half_frozen_stack), """ValueError: fsdp1: the root unit mixes trainable parameters ('4.weight', '4.bias', '5.weight', '5.bias', '6.weight', '6.bias' and 2 more) and frozen ones ('0.weight', '0.bias', '1.weight', '1.bias', '2.weight', '2.bias' and 2 more), but with use_orig_params=False a unit's one FlatParameter has one requires_grad. Pass use_orig_params=True, or wrap the frozen submodules as units of their own.""")
 
     def test_auto_wrap_of_a_module_that_holds_a_unit(self):
-        self.assertExpectedInline(self.construction_error(_already_wrapped, auto_wrap_policy=LinearPolicy), """ValueError: fsdp1: auto_wrap_policy needs a module without FSDP units inside, but 'blocks.1' is already a FullyShardedDataParallel unit. Pass the unwrapped module with auto_wrap_policy, or wrap every unit by hand without it.""")
+        self.assertExpectedInline(self.construction_error(_already_wrapped, auto_wrap_policy=LinearPolicy), """ValueError: fsdp1: FSDP auto wrapping requires modules to not already have FSDP applied, but 'blocks.1' is already a FullyShardedDataParallel unit. Pass the unwrapped module with auto_wrap_policy, or wrap every unit by hand without it.""")
 
     def test_tied_weight_split_across_units_by_hand(self):
         """Auto-wrapping gives a tied weight to the units' common parent; wrapping by hand cannot."""
         self.assertExpectedInline(self.construction_error(_tied_weight_split_by_hand), """ValueError: fsdp1: parameter 'blocks.0.weight' is the same tensor as 'head.weight', which the unit 'head' already flattened; a parameter can belong to one unit only. Wrap the modules that share it in one unit, or pass auto_wrap_policy, which gives a tied parameter to the closest unit that holds all the modules using it.""")
-
-    def test_ranks_that_built_other_values(self):
-        """reliability.md H7: refused before anything is wrapped (torch's FSDP1 trains a silent mix)."""
-        self.assertExpectedInline(self.construction_error(_seeded_by_rank, auto_wrap_policy=LinearPolicy), """ValueError: fsdp1: 'blocks.0.weight' has other values on rank 1 than on rank 0: the ranks built the model differently (other seeds?), and each would keep its own shard of it, a silent mix. Seed every rank alike before building the model, or pass sync_module_states=True to take the first rank's values.""")
 
     def test_policy_that_is_neither_callable_nor_a_policy(self):
         self.assertExpectedInline(self.construction_error(Blocks, auto_wrap_policy={nn.Linear}), """ValueError: fsdp1: auto_wrap_policy must be a policy object (ModuleWrapPolicy, CustomPolicy) or a callable (module, recurse, nonwrapped_numel) -> bool such as functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}), got set.""")
@@ -249,19 +236,16 @@ class TestErrors(expecttest.TestCase):
         self.assertExpectedInline(self.construction_error(Blocks, process_group=OnRank(_world_group), device_mesh=_mesh(2)), """ValueError: fsdp1: pass process_group or device_mesh, not both: each says which ranks this unit shards over. Keep device_mesh (it also names the replicate dimension for HYBRID_SHARD).""")
 
     def test_ignored_modules_together_with_ignored_states(self):
-        self.assertExpectedInline(self.construction_error(Blocks, ignored_modules=OnRank(_head), ignored_states=OnRank(_head)), """ValueError: fsdp1: pass ignored_modules or ignored_states, not both; ignored_states takes modules and parameters alike (torch deprecates ignored_modules in its favour).""")
+        self.assertExpectedInline(self.construction_error(Blocks, ignored_modules=OnRank(_head), ignored_states=OnRank(_head)), """ValueError: fsdp1: Cannot pass both ignored_modules and ignored_states at the same time; pass ignored_states, which takes modules and parameters alike (torch deprecates ignored_modules in its favour).""")
 
     def test_ignored_states_mixing_modules_and_parameters(self):
-        self.assertExpectedInline(self.construction_error(Blocks, ignored_states=OnRank(_head_and_a_weight)), """ValueError: fsdp1: ignored_states must hold only parameters or only modules, as torch's; it holds both. Ignore the modules' parameters instead (ignored_states=[*m.parameters(), p]).""")
-
-    def test_ignoring_the_module_being_wrapped(self):
-        self.assertExpectedInline(self.construction_error(Blocks, ignored_modules=OnRank(_itself)), """ValueError: fsdp1: ignored_modules holds the module being wrapped itself, which would leave FSDP nothing to manage. Ignore its submodules instead, or do not wrap it.""")
+        self.assertExpectedInline(self.construction_error(Blocks, ignored_states=OnRank(_head_and_a_weight)), """ValueError: fsdp1: ignored_states expects all nn.Parameter or all nn.Module list elements but got types [<class 'torch.nn.modules.linear.Linear'>, <class 'torch.nn.parameter.Parameter'>]: it holds both. Ignore the modules' parameters instead (ignored_states=[*m.parameters(), p]).""")
 
     def test_ignoring_an_fsdp_unit(self):
         self.assertExpectedInline(self.construction_error(_already_wrapped, ignored_modules=OnRank(_the_unit)), """ValueError: fsdp1: ignored_modules holds the FullyShardedDataParallel unit 'blocks.1'; a unit cannot be ignored. Pass the module it wraps before wrapping it, or leave it out.""")
 
-    def test_hybrid_strategy_without_a_mesh_or_group_pair(self):
-        self.assertExpectedInline(self.construction_error(Blocks, sharding_strategy=fsdp1.ShardingStrategy.HYBRID_SHARD), """ValueError: fsdp1: sharding_strategy=ShardingStrategy.HYBRID_SHARD shards inside one group of ranks and replicates across another, and needs them named: pass device_mesh=init_device_mesh(device_type, (replicas, shard_size)) or process_group=(shard_group, replicate_group).""")
+    def test_hybrid_strategy_with_one_process_group(self):
+        self.assertExpectedInline(self.construction_error(Blocks, sharding_strategy=fsdp1.ShardingStrategy.HYBRID_SHARD, process_group=OnRank(_world_group)), """ValueError: fsdp1: sharding_strategy=ShardingStrategy.HYBRID_SHARD shards inside one group of ranks and replicates across another, and needs both: pass device_mesh=init_device_mesh(device_type, (replicas, shard_size)) or process_group=(shard_group, replicate_group), or neither (one node of LOCAL_WORLD_SIZE ranks shards, nodes replicate).""")
 
     def test_hybrid_strategy_with_a_one_dimensional_mesh(self):
         self.assertExpectedInline(self.construction_error(Blocks, sharding_strategy=fsdp1.ShardingStrategy.HYBRID_SHARD, device_mesh=_mesh(2)), """ValueError: fsdp1: sharding_strategy=ShardingStrategy.HYBRID_SHARD needs a 2-D mesh (replicate, shard), but device_mesh is 1-D (shape (2,)). Build it with init_device_mesh(device_type, (replicas, shard_size)).""")

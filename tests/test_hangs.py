@@ -226,3 +226,27 @@ def test_with_collective_fingerprints_a_mismatch_is_named_on_every_rank_before_i
                    "rank issues", "rank(s) [1] issue another op, size, dtype or unit")
     _assert_broken(job.reports[1]["error"], "all-gather of 14 float32 elements for unit 'head' is not what every "
                    "rank issues", "rank(s) [0] issue another op")
+
+
+EVAL_THEN_DESTROY = MODEL + '''
+MISBEHAVE = (None,) * 4
+model.eval()
+with torch.no_grad():
+    output = model(torch.randn(4, 8))
+report(output=output.sum().item())
+dist.destroy_process_group()  # no barrier first: a rank may tear down while its peer finishes
+'''
+
+
+def test_an_eval_forward_then_teardown_without_a_barrier_exits_cleanly_every_time(tmp_path):
+    """A short job (an evaluation, then ``destroy_process_group()`` with no barrier) must exit 0: a
+    scheduler counts an abort at exit as a failed job. Nothing fsdp1 issued may still be in flight
+    when the forward returns, so each rank can tear its group down at once. Repeated, since a race
+    there shows only now and then."""
+    outputs = set()
+    for _ in range(12):
+        job = run_job(tmp_path, EVAL_THEN_DESTROY, torchrun=False)
+        assert not failed(job), failed(job)
+        assert job.returncodes == [0, 0], job.output[-2000:]
+        outputs.update(job.reports[rank]["output"] for rank in (0, 1))
+    assert len(outputs) == 1

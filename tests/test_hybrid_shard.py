@@ -1,9 +1,11 @@
 """Tests HYBRID_SHARD and _HYBRID_SHARD_ZERO2 on 4 ranks: sharded inside one group, replicated across
 the other, from a 2-D device mesh (replicas × shard size: 2×2, 1×4, 4×1) or a (shard, replicate)
-group pair, against DDP. With a shard group of one rank the replicas must still average their
+group pair, or from neither (nodes of ``LOCAL_WORLD_SIZE`` ranks shard, as torch's builds them),
+against DDP. With a shard group of one rank the replicas must still average their
 gradients (torch's FSDP1 switches to NO_SHARD there and stops syncing them, pytorch#154888)."""
 
 import copy
+import os
 
 import pytest
 import torch
@@ -35,6 +37,8 @@ def _train_hybrid(shape, groups_from, strategy, use_orig_params):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if groups_from == "mesh":
         where = dict(device_mesh=init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")))
+    elif groups_from == "nodes":  # neither: nodes of LOCAL_WORLD_SIZE ranks (torchrun sets it) shard
+        os.environ["LOCAL_WORLD_SIZE"], where = str(shape[1]), {}
     else:
         where = dict(process_group=_group_pair(*shape))
     base = make_gpt()
@@ -42,6 +46,7 @@ def _train_hybrid(shape, groups_from, strategy, use_orig_params):
         copy.deepcopy(base), auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({Block}),
         sharding_strategy=fsdp1.ShardingStrategy[strategy], use_orig_params=use_orig_params, **where,
     )
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
     ddp = DDP(copy.deepcopy(base))
     losses = [train(m, STEPS, world_size, rank) for m in (ours, ddp)]
     full = fsdp1_full_params(ours)
@@ -52,7 +57,8 @@ def _train_hybrid(shape, groups_from, strategy, use_orig_params):
 
 @pytest.mark.parametrize("use_orig_params", [False, True])
 @pytest.mark.parametrize("strategy", ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"])
-@pytest.mark.parametrize("shape, groups_from", [((2, 2), "mesh"), ((1, 4), "mesh"), ((4, 1), "mesh"), ((2, 2), "pair")])
+@pytest.mark.parametrize("shape, groups_from", [((2, 2), "mesh"), ((1, 4), "mesh"), ((4, 1), "mesh"), ((2, 2), "pair"),
+                                                ((2, 2), "nodes"), ((1, 4), "nodes")])
 def test_hybrid_sharding_trains_like_ddp_and_keeps_replicas_in_sync(shape, groups_from, strategy, use_orig_params):
     results = run_on_ranks(4, _train_hybrid, shape, groups_from, strategy, use_orig_params)
     for (ours, ddp), error, _, strategies in results:

@@ -434,7 +434,7 @@ def _summon_options(use_orig_params):
         with FSDP.summon_full_params(model, writeback=True, rank0_only=True):
             pass
         refused = None
-    except ValueError as error:
+    except NotImplementedError as error:  # torch's type
         refused = str(error)
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     optim.step()  # gradients survived summon(with_grads=True) untouched
