@@ -192,6 +192,12 @@ def main() -> None:
             first_step = done + 1
             if rank == 0:
                 print(f"resumed from {path} (step {done})", flush=True)
+    if first_step > args.steps:  # nothing left to train: the checkpoint is at or past --steps
+        if rank == 0:
+            print(f"the latest checkpoint is at step {first_step - 1}, at or past --steps {args.steps}: nothing to "
+                  "train; pass a larger --steps to go on", flush=True)
+        dist.destroy_process_group()
+        return
     bar = progress(first_step, args.steps, enabled=rank == 0)
     start = time.perf_counter()
     for step in bar:

@@ -42,6 +42,7 @@ from ._shard_math import (
     plan_flat_layout,
     shard_span,
 )
+from ._traversal import ParamSlot
 
 if TYPE_CHECKING:
     from ._mixed_precision import HandlePrecision
@@ -82,36 +83,12 @@ class FlatParameter(nn.Parameter, metaclass=_FlatParameterMeta):
         return param
 
 
-@dataclass(frozen=True)
-class ParamSlot:
-    """One place a parameter is registered: ``module.<attr>``, reached as ``fqn`` from the unit.
-
-    ``param`` is the original Parameter. Without use_orig_params the handle drops it once flattened
-    (``param`` becomes None), so that its full-size storage is freed.
-    """
-
-    fqn: str
-    module: nn.Module
-    attr: str
-    param: Optional[nn.Parameter]
-
-
 class HandleState(Enum):
     """Where the flat parameter's data lives."""
 
     SHARDED = auto()
     UNSHARDING = auto()
     UNSHARDED = auto()
-
-
-class HandleTrainingState(Enum):
-    """What the unit is doing; named as torch's so that tools reading it keep working."""
-
-    IDLE = auto()
-    FORWARD = auto()
-    BACKWARD_PRE = auto()
-    BACKWARD_POST = auto()
-    SUMMON_FULL_PARAMS = auto()
 
 
 @dataclass(frozen=True)
@@ -242,7 +219,6 @@ class FlatParamHandle(ShardConversions):
         self.state = HandleState.UNSHARDED
         if self._needs_unshard:
             self._free_unsharded()
-        self.training_state = HandleTrainingState.IDLE
         self._gather_work: "Optional[comm.GuardedWork | comm.PairwiseExchange]" = None
         self._backward_started = False  # this backward has moved the optimizer's gradient aside
         self._grad_before_backward: Optional[torch.Tensor] = None  # sharded gradient of earlier backwards
@@ -456,9 +432,6 @@ class FlatParamHandle(ShardConversions):
     def param_modules(self) -> List[nn.Module]:
         """The modules that hold this unit's parameters, each once."""
         return list({id(slot.module): slot.module for slot in self._all_slots()}.values())
-
-    def manages(self, param: nn.Parameter) -> bool:
-        return self.fqn_of(param) is not None
 
     def fqn_of(self, param: nn.Parameter) -> Optional[str]:
         """The name (relative to the unit) under which this unit flattened ``param``, if it did."""
@@ -998,7 +971,6 @@ class FlatParamHandle(ShardConversions):
         """Undo what an aborted forward or backward left: pending all-gather finished, this backward's
         reductions dropped, the optimizer's gradient as it was before, the parameters sharded."""
         self.reshard()
-        self.training_state = HandleTrainingState.IDLE
         started, self._backward_started = self._backward_started, False
         if started and not self._grad_is_unreduced:
             self.flat_param.grad = None

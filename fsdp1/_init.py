@@ -15,9 +15,11 @@ import torch
 from torch import nn
 
 from . import _collectives as comm
-from ._flat_param import FLATTENED, FlatParameter, ParamSlot
+from ._common import HYBRID_STRATEGIES
+from ._flat_param import FLATTENED, FlatParameter
 from ._mixed_precision import plan_full_precision_modules
 from ._traversal import (
+    ParamSlot,
     clean_fqn,
     is_fsdp_unit,
     iter_outermost_units,
@@ -30,10 +32,6 @@ from ._traversal import (
 from .api import ShardingStrategy, coerce_enum
 from .wrap import AutoWrapPolicy, apply_wrap, children_first, plan_auto_wrap
 
-HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
-SHARDED_STRATEGIES = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP) + HYBRID_STRATEGIES
-# Strategies that free the unsharded parameters after forward; the others keep them for backward.
-RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
 
 
 @dataclasses.dataclass(frozen=True)

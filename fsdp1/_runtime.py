@@ -21,7 +21,6 @@ import functools
 import sys
 import weakref
 from collections import deque
-from enum import Enum, auto
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Tuple, TypeVar
 
@@ -31,8 +30,8 @@ from torch.autograd.profiler import record_function
 
 from . import _collectives as comm
 from ._device import move_to_device
-from ._flat_param import FlatParamHandle, GradReduction, HandleState, HandleTrainingState
-from ._init import RESHARD_AFTER_FORWARD
+from ._flat_param import FlatParamHandle, GradReduction, HandleState
+from ._common import RESHARD_AFTER_FORWARD, TrainingState
 from ._mixed_precision import BufferPrecision, cast_floating_tensors
 from ._traversal import fsdp_units, iter_tensors, iter_unit_submodules, unit_paths
 from .api import BackwardPrefetch, ShardingStrategy
@@ -59,14 +58,6 @@ def eager_only(fn: _Fn) -> _Fn:
         return disabled[0](*args, **kwargs)
 
     return call  # type: ignore[return-value]
-
-
-class TrainingState(Enum):
-    """What a unit is doing, named as torch's ``TrainingState``."""
-
-    IDLE = auto()
-    FORWARD_BACKWARD = auto()
-    SUMMON_FULL_PARAMS = auto()
 
 
 _AT_REST = (TrainingState.IDLE, TrainingState.SUMMON_FULL_PARAMS)  # no forward or backward under way
@@ -373,7 +364,7 @@ def pre_forward(
         handle = unit._handle
         if handle is not None:
             state.order.record_pre_forward(unit)
-            _gather(handle, HandleTrainingState.FORWARD)
+            _gather(handle)
             if unit.forward_prefetch:
                 _prefetch(state.order.next_in_forward(unit))
             gradient_node = handle.use_unsharded_views()
@@ -452,7 +443,6 @@ def post_forward(unit: "Unit", module: torch.nn.Module, args: Tuple[Any, ...], o
                 handle.reshard()
             else:
                 handle.keep_gathered_for_backward()
-            handle.training_state = HandleTrainingState.IDLE
         if torch.is_grad_enabled():
             hook = partial(_pre_backward, unit)
             for tensor in iter_tensors(output):
@@ -482,15 +472,14 @@ def _pre_backward(unit: "Unit", grad: torch.Tensor) -> None:
             if handle.is_sharded:
                 state.finish_reductions()
             handle.write_back_orig_params(is_gathered_for_backward=handle.holds_gathered_copy)
-            _gather(handle, HandleTrainingState.BACKWARD_PRE)
+            _gather(handle)
             handle.use_forward_views()
             if unit.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
                 _prefetch_for_backward(state.order.next_in_backward(unit))
 
 
-def _gather(handle: FlatParamHandle, training_state: HandleTrainingState) -> None:
-    """Enter ``training_state`` with the unit's parameters unsharded."""
-    handle.training_state = training_state
+def _gather(handle: FlatParamHandle) -> None:
+    """The unit's parameters unsharded (started now, or by a prefetch), waited for."""
     handle.unshard()
     handle.wait_unshard()
 
@@ -543,7 +532,6 @@ def _post_backward(unit: "Unit", flat_param: torch.Tensor) -> None:
 def _reduce_and_reshard(state: RootState, unit: "Unit") -> None:
     unit._awaits_reduction = False
     handle = unit._handle
-    handle.training_state = HandleTrainingState.BACKWARD_POST
     if _reshards_after_backward(unit):
         handle.reshard()  # first: the unsharded parameters are freed before the reduction allocates
     if unit._sync_gradients:
@@ -575,8 +563,7 @@ def _finalize_backward(state: RootState) -> None:
                 elif handle.state is not HandleState.SHARDED:  # kept gathered (no_sync); an unused unit never was
                     handle.use_resting_views()
                 handle.prepare_gradient_for_optim()
-                handle.training_state = HandleTrainingState.IDLE
-            unit.training_state = TrainingState.IDLE
+                unit.training_state = TrainingState.IDLE
             unit._awaits_pre_backward = False
         first_iteration = not state.order.is_fixed
         state.order.fix_pre_forward()

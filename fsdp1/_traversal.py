@@ -1,4 +1,5 @@
-"""Finding units, naming things by their clean FQN, and walking nested outputs.
+"""Finding units and parameter registrations (``ParamSlot``), naming things by their clean FQN, and
+walking nested outputs.
 
 Read-only: nothing here changes a module. A module counts as an FSDP unit when its class says so
 (``_is_fsdp_unit``), which keeps this module free of an import of the wrapper class.
@@ -6,17 +7,29 @@ Read-only: nothing here changes a module. A module counts as an FSDP unit when i
 
 import dataclasses
 from collections import deque
-from typing import Any, Callable, Collection, Dict, Iterator, List, Tuple
+from typing import Any, Callable, Collection, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
-
-from ._flat_param import ParamSlot
 
 FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
 FSDP_PREFIX = FSDP_WRAPPED_MODULE + "."
 CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
 _WRAPPER_NAMES = (FSDP_WRAPPED_MODULE, CHECKPOINT_PREFIX[:-1])
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSlot:
+    """One place a parameter is registered: ``module.<attr>``, reached as ``fqn`` from the unit.
+
+    ``param`` is the original Parameter. Without use_orig_params the handle drops it once flattened
+    (``param`` becomes None), so that its full-size storage is freed.
+    """
+
+    fqn: str
+    module: nn.Module
+    attr: str
+    param: Optional[nn.Parameter]
 
 
 def clean_fqn(fqn: str) -> str:

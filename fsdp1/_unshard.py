@@ -11,7 +11,8 @@ from typing import Iterator, List
 from torch import nn
 
 from . import _collectives as comm
-from ._runtime import TrainingState, adopt_replaced_flat_params
+from ._common import TrainingState
+from ._runtime import adopt_replaced_flat_params
 from ._traversal import fsdp_units, is_fsdp_unit, unit_paths
 
 

@@ -15,12 +15,11 @@ from torch.autograd.profiler import record_function
 
 from . import _collectives as comm
 from . import _clip_grad, _init, _optim_state_dict, _runtime, _state_dict, comm_hooks
+from ._common import HYBRID_STRATEGIES, SHARDED_STRATEGIES, TrainingState
 from ._device import materialization_device, resolve_compute_device
-from ._flat_param import CommHook, FlatParameter, FlatParamHandle, ParamSlot
-from ._init import HYBRID_STRATEGIES, SHARDED_STRATEGIES
+from ._flat_param import CommHook, FlatParameter, FlatParamHandle
 from ._mixed_precision import HandlePrecision, checked_precision
-from ._runtime import TrainingState
-from ._traversal import FSDP_WRAPPED_MODULE, clean_fqn, fsdp_units, unit_paths
+from ._traversal import FSDP_WRAPPED_MODULE, ParamSlot, clean_fqn, fsdp_units, unit_paths
 from ._unshard import summon_full_params
 from .api import (
     BackwardPrefetch,
@@ -100,7 +99,6 @@ class FullyShardedDataParallel(nn.Module):
         )
         self.forward_prefetch = forward_prefetch
         self.limit_all_gathers = limit_all_gathers
-        self._use_orig_params = use_orig_params
 
         if not sync_module_states and _params_of_outer_units is None:  # the call the user made
             _init.check_same_values(module, self._ignored, groups)

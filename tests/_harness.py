@@ -12,6 +12,7 @@ import queue
 import socket
 import traceback
 from datetime import timedelta
+from multiprocessing.reduction import ForkingPickler  # torch.multiprocessing registers its tensor reductions
 from typing import Any, Callable, Dict, List
 
 import torch.multiprocessing as mp
@@ -48,7 +49,9 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
             break
         fn, args = task
         try:
-            results.put((rank, True, fn(*args)))
+            result = fn(*args)
+            ForkingPickler.dumps(result)  # unpicklable (a tensor needing grad): fail here, not in the queue's thread
+            results.put((rank, True, result))
         except BaseException:  # noqa: BLE001 - every failure goes back to pytest
             results.put((rank, False, traceback.format_exc()))
     dist.destroy_process_group()

@@ -8,7 +8,6 @@ import sys
 from enum import Enum
 
 import pytest
-import torch
 import torch.distributed.fsdp as torch_fsdp
 from torch.distributed.fsdp import wrap as torch_wrap
 

@@ -130,8 +130,13 @@ def _failing_writer_on_rank_1(root):
 def test_a_save_that_fails_on_one_rank_raises_on_every_rank_and_commits_nothing(tmp_path):
     """reliability.md C4: ENOSPC on rank 1."""
     for (kind, message), alive, names, latest, intact in run_on_ranks(2, _failing_writer_on_rank_1, str(tmp_path)):
-        assert kind == "CheckpointError" and "rank(s) [1]" in message and "No space left on device" in message
-        assert alive == 2.0 and names == ["step_000002"] and latest == "step_000002" and intact
+        assert kind == "CheckpointError"
+        assert "rank(s) [1]" in message
+        assert "No space left on device" in message
+        assert alive == 2.0
+        assert names == ["step_000002"]
+        assert latest == "step_000002"
+        assert intact
 
 
 def _corrupted(root, damage):
@@ -168,7 +173,9 @@ def _corrupted(root, damage):
 ])
 def test_a_damaged_checkpoint_is_refused_on_every_rank_naming_the_file(damage, named, tmp_path):
     for (kind, message), untouched in run_on_ranks(2, _corrupted, str(tmp_path), damage):
-        assert kind == "CheckpointCorrupted" and named in message and untouched
+        assert kind == "CheckpointCorrupted"
+        assert named in message
+        assert untouched
         if damage == "truncated":
             assert "bytes, the manifest recorded" in message
 
@@ -429,7 +436,9 @@ def test_rank_0_killed_while_committing_leaves_the_last_committed_checkpoint_lat
     _killed_job(DIES_WHILE_COMMITTING, tmp_path)
     names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     staged = [tmp_path / "ckpt" / name for name in names if name.startswith("step_000002.partial-")]
-    assert "step_000002" not in names and len(staged) == 1 and (staged[0] / checkpoint.MANIFEST).is_file()
+    assert "step_000002" not in names
+    assert len(staged) == 1
+    assert (staged[0] / checkpoint.MANIFEST).is_file()
     assert not checkpoint.is_committed(staged[0])
     assert checkpoint.latest(tmp_path / "ckpt").name == "step_000001" and checkpoint.verify(tmp_path / "ckpt" / "step_000001")
     with pytest.raises(checkpoint.CheckpointIncomplete, match="not a committed checkpoint"):
@@ -462,5 +471,7 @@ def _saved_in_the_background(root):
 def test_a_background_save_holds_the_state_it_was_given_and_reports_its_failure_on_every_rank(tmp_path):
     for unchanged, mutated, (kind, message), latest in run_on_ranks(2, _saved_in_the_background, str(tmp_path)):
         assert unchanged and mutated
-        assert kind == "CheckpointError" and "rank(s) [1]" in message and "No space left on device" in message
+        assert kind == "CheckpointError"
+        assert "rank(s) [1]" in message
+        assert "No space left on device" in message
         assert latest == "step_000003"

@@ -315,7 +315,9 @@ def test_to_dcp_refuses_files_that_are_not_state_dicts(tmp_path, content, messag
     source = tmp_path / "model.pt"
     source.write_bytes(content) if isinstance(content, bytes) else torch.save(content, source)
     code, _, err = run_main(capsys, "to-dcp", source, tmp_path / "ckpt")
-    assert code == 1 and f"{source}: " in err and message in err
+    assert code == 1
+    assert f"{source}: " in err
+    assert message in err
     assert sorted(path.name for path in tmp_path.iterdir()) == ["model.pt"]
 
 
@@ -342,7 +344,9 @@ def test_to_dcp_output_is_a_committed_fsdp1_checkpoint_whose_damage_inspect_name
     data[len(data) // 2] ^= 1
     (directory / "__0_0.distcp").write_bytes(bytes(data))
     code, _, err = run_main(capsys, "inspect", directory)
-    assert code == 1 and "file __0_0.distcp has CRC-32" in err and "the manifest recorded" in err
+    assert code == 1
+    assert "file __0_0.distcp has CRC-32" in err
+    assert "the manifest recorded" in err
 
 
 def test_damaged_metadata_is_an_error_naming_it(tmp_path, capsys):

@@ -99,7 +99,9 @@ def test_clip_grad_norm_is_bitwise_torch_fsdp1s(strategy, use_orig_params, norm_
     """The same norms and, after clipped Adam steps, the same parameters bit for bit: clipping with a
     norm one rounding away from torch's would make the two runs drift apart."""
     for (ours, theirs), error in run_on_ranks(2, _against_torch, strategy, use_orig_params, norm_type):
-        assert ours == theirs and max(theirs) > MAX_NORM and error == 0.0
+        assert ours == theirs
+        assert max(theirs) > MAX_NORM
+        assert error == 0.0
 
 
 def _nan_on_rank_1(strategy, error_if_nonfinite):
@@ -124,7 +126,9 @@ def _nan_on_rank_1(strategy, error_if_nonfinite):
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
 def test_a_nan_on_one_rank_is_reported_on_every_rank_before_any_gradient_is_scaled(strategy):
     for (kind, message), untouched in run_on_ranks(2, _nan_on_rank_1, strategy, True):
-        assert kind == "error" and "error_if_nonfinite=True" in message and "No gradient was scaled" in message
+        assert kind == "error"
+        assert "error_if_nonfinite=True" in message
+        assert "No gradient was scaled" in message
         assert "rank(s) [0, 1]" in message  # the reduction spread rank 1's NaN into every shard
         assert untouched
     norms = [norm for (_, norm), _ in run_on_ranks(2, _nan_on_rank_1, strategy, False)]

@@ -365,7 +365,9 @@ def test_messages_keep_torchs_phrases():
     for messages in run_on_ranks(2, _messages_keep_torchs_phrases):
         assert len(messages) == len(patterns)
         for message, pattern in zip(messages, patterns):
-            assert message.startswith("fsdp1: ") and re.search(pattern, message) and "_fsdp_wrapped_module" not in message
+            assert message.startswith("fsdp1: ")
+            assert re.search(pattern, message)
+            assert "_fsdp_wrapped_module" not in message
 
 
 def _offload_to_cpu_on_no_shard():
@@ -396,7 +398,7 @@ def test_offload_to_cpu_on_a_no_shard_unit_works_where_torchs_refuses():
 def _assert_state_outcomes():
     from torch.distributed.fsdp._common_utils import TrainingState as TorchState
 
-    from fsdp1._runtime import TrainingState as OurState
+    from fsdp1._common import TrainingState as OurState
 
     results = {}
     for name in IMPLEMENTATIONS:

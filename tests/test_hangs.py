@@ -186,8 +186,8 @@ def test_without_an_agent_the_surviving_rank_raises_and_exits(tmp_path):
 
 
 def test_a_straggler_within_the_timeout_trains_on_as_if_it_had_not_waited(tmp_path):
-    """H8: rank 1 sleeps 1 s in b (the timeout is 2 s): no error, and the losses equal a run where
-    nobody waits."""
+    """H8: rank 1 sleeps 1 s in b (the timeout is 6 s here, a wide margin on a loaded machine): no
+    error, and the losses equal a run where nobody waits."""
     job = run_job(tmp_path, MODEL + '''
 import time
 losses = {}
@@ -198,7 +198,7 @@ for slow in (False, True):
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     losses[slow] = [step(n) for n in range(3)]
 report(losses=losses)
-''', torchrun=False)
+''', torchrun=False, pg_timeout_s=6)
     assert not failed(job), failed(job)
     assert job.returncodes == [0, 0]
     for rank in (0, 1):
@@ -214,7 +214,9 @@ def test_a_submodule_run_on_one_rank_only_is_named_on_every_rank(tmp_path):
     job = run_job(tmp_path, CONDITIONAL_ENCODER, torchrun=False)
     assert not failed(job), failed(job)
     _assert_broken(job.reports[0]["error"], "all-gather of 36 float32 elements for unit 'encoder'", "failed on rank 0")
-    assert job.returncodes[1] != 0 and 1 not in job.reports and "collective mismatch" in job.output
+    assert job.returncodes[1] != 0
+    assert 1 not in job.reports
+    assert "collective mismatch" in job.output
 
 
 def test_with_collective_fingerprints_a_mismatch_is_named_on_every_rank_before_it_is_issued(tmp_path):

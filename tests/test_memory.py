@@ -104,7 +104,9 @@ def test_state_dict_saves_hold_at_most_one_unit(world_size):
     # SHARDED: never an unsharded unit; the redistribution to dim-0 chunks holds about one shard.
     peak, kept, largest_unit = _state_dict_memory("fsdp1", "SHARDED", 1, world_size)
     torch_peak, torch_kept, _ = _state_dict_memory("torch", "SHARDED", 1, world_size)
-    assert kept == torch_kept and peak - kept <= largest_unit // world_size and peak < torch_peak
+    assert kept == torch_kept
+    assert peak - kept <= largest_unit // world_size
+    assert peak < torch_peak
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")

@@ -260,7 +260,9 @@ def test_batchnorm_gets_a_full_precision_unit_as_in_torch(classes_to_ignore):
     for ((losses, units, precisions), (their_losses, their_units, _)), warned in run_on_ranks(2, _batchnorm, classes_to_ignore):
         assert losses == their_losses
         if classes_to_ignore is None:  # the default: BatchNorm in its own unit, without mixed precision
-            assert units == their_units == 2 and precisions == [None, None] and warned == 2
+            assert units == their_units == 2
+            assert precisions == [None, None]
+            assert warned == 2
         else:
             assert units == their_units == 0 and warned == 0
 
@@ -285,7 +287,9 @@ def test_state_dict_and_summon_full_params_are_full_precision(use_orig_params):
     for ours, theirs, summoned, rounded, (after, their_after) in run_on_ranks(2, _full_precision_views, use_orig_params):
         assert ours.keys() == theirs.keys() == summoned.keys()
         for key, value in ours.items():
-            assert value.dtype == torch.float32 and torch.equal(value, theirs[key]) and torch.equal(value, summoned[key]), key
+            assert value.dtype == torch.float32, key
+            assert torch.equal(value, theirs[key]), key
+            assert torch.equal(value, summoned[key]), key
         assert not rounded and after == their_after
 
 

@@ -209,7 +209,10 @@ def _legacy_and_rank0(use_orig_params):
 @pytest.mark.parametrize("use_orig_params", [False, True])
 def test_older_functions_rank0_only_and_rekeying(use_orig_params):
     for matches, loaded, into_plain, back in run_on_ranks(2, _legacy_and_rank0, use_orig_params):
-        assert matches and loaded == [True, True, True, True] and into_plain and back
+        assert matches
+        assert loaded == [True, True, True, True]
+        assert into_plain
+        assert back
 
 
 def _resume_across(kind, save_strategy, load_strategy, load_wrap, use_orig_params, path):
@@ -250,8 +253,6 @@ def test_resume_under_another_strategy_or_wrapping(tmp_path, kind, save_strategy
 def _fresh_template_and_steps(use_orig_params):
     """Asking a fresh optimizer for its state changes nothing that follows, and each name gets a
     step of its own (an optimizer adds to it in place)."""
-    import fsdp1
-
     model = wrap_fsdp1(make_tied_gpt(), use_orig_params=use_orig_params)
     twin = wrap_fsdp1(make_tied_gpt(), use_orig_params=use_orig_params)
     optim, twin_optim = _optimizer(model, "adam"), _optimizer(twin, "adam")
@@ -267,7 +268,9 @@ def _fresh_template_and_steps(use_orig_params):
 @pytest.mark.parametrize("use_orig_params", [False, True])
 def test_a_fresh_optimizers_template_is_complete_and_changes_nothing(use_orig_params):
     for complete, same, own_steps in run_on_ranks(2, _fresh_template_and_steps, use_orig_params):
-        assert complete and same and own_steps
+        assert complete
+        assert same
+        assert own_steps
 
 
 def _hybrid_rank0_only(use_orig_params):
@@ -343,4 +346,6 @@ def _reused_and_mismatched(use_orig_params):
 def test_a_dict_loads_twice_alike_and_a_wrong_rank0_dict_is_refused_everywhere(use_orig_params):
     for (first, second), unchanged, refusal in run_on_ranks(2, _reused_and_mismatched, use_orig_params):
         assert first == second and unchanged
-        assert refusal is not None and "has shape" in refusal and "rank 0's dict" in refusal
+        assert refusal is not None
+        assert "has shape" in refusal
+        assert "rank 0's dict" in refusal

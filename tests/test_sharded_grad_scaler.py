@@ -52,7 +52,9 @@ def _scaled_training(keep_low, offload):
 @pytest.mark.parametrize("keep_low, offload", [(False, False), (True, False), (False, True)])
 def test_skips_the_steps_torchs_skips(keep_low, offload):
     for ((scales, losses), (their_scales, their_losses)), error in run_on_ranks(2, _scaled_training, keep_low, offload):
-        assert scales == their_scales and losses == their_losses and error == 0.0
+        assert scales == their_scales
+        assert losses == their_losses
+        assert error == 0.0
         assert scales[0] < 2.0**16 and any(b > a for a, b in zip(scales, scales[1:]))  # backed off, then grew
 
 

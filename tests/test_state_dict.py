@@ -65,7 +65,10 @@ def _full_matches_plain_and_torch(strategy, use_orig_params):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_full_state_dict_is_the_plain_models_and_equals_torch_fsdp1(strategy, use_orig_params):
     for order_is_plain, same_keys, bitwise, tied_apart in run_on_ranks(2, _full_matches_plain_and_torch, strategy, use_orig_params):
-        assert order_is_plain and same_keys and bitwise and tied_apart
+        assert order_is_plain
+        assert same_keys
+        assert bitwise
+        assert tied_apart
 
 
 def _rank0_only(use_orig_params, offload_to_cpu, torch_config):
@@ -88,7 +91,10 @@ def _rank0_only(use_orig_params, offload_to_cpu, torch_config):
 def test_rank0_only_leaves_other_ranks_empty(use_orig_params, offload_to_cpu, torch_config):
     # torch's FSDP1 crashes here on CPU with offload_to_cpu ("setStorage ... storage of size 0").
     (keys0, equal0), (keys1, equal1) = run_on_ranks(2, _rank0_only, use_orig_params, offload_to_cpu, torch_config)
-    assert len(keys0) == 27 and equal0 and keys1 == [] and equal1
+    assert len(keys0) == 27
+    assert equal0
+    assert keys1 == []
+    assert equal1
 
 
 def _under_plain_root(use_orig_params):
@@ -141,7 +147,10 @@ def _detached_copy(value):
 @pytest.mark.parametrize("kind", ["FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT"])
 def test_round_trip_restores_parameters_bitwise(kind, strategy, use_orig_params):
     for changed, restored, missing, unexpected in run_on_ranks(2, _round_trip, kind, strategy, use_orig_params):
-        assert changed and restored and missing == [] and unexpected == []
+        assert changed
+        assert restored
+        assert missing == []
+        assert unexpected == []
 
 
 # ---------------------------------------------------------------------------------------- DCP resharding
@@ -274,7 +283,9 @@ def test_a_failed_load_names_the_key_and_changes_nothing(kind, damage, use_orig_
             assert "unexpected key(s) 'blocks.0.nonsense'" in message
             assert keys == ([], ["blocks.0.nonsense"])
         else:
-            assert "'blocks.1.fc.weight'" in message and "(7, 3)" in message and "(31, 10)" in message
+            assert "'blocks.1.fc.weight'" in message
+            assert "(7, 3)" in message
+            assert "(31, 10)" in message
 
 
 def _missing_in_checkpoint(path):
@@ -360,7 +371,10 @@ def _dcp_state_dict_api(path):
 def test_torch_dcp_get_and_set_model_state_dict_work_on_fsdp1_models(tmp_path):
     results = run_on_ranks(2, _dcp_state_dict_api, str(tmp_path))
     for same_keys, full_restored, kinds, sharded_restored, _ in results:
-        assert same_keys and full_restored and kinds == {"DTensor"} and sharded_restored
+        assert same_keys
+        assert full_restored
+        assert kinds == {"DTensor"}
+        assert sharded_restored
     assert [copied for *_, copied in results] == [27, 0]  # full_state_dict + cpu_offload: rank 0 only
 
 
@@ -396,7 +410,9 @@ def _hf_round_trip(name, use_orig_params, path):
 def test_hugging_face_models_round_trip_full_and_sharded(tmp_path, name, use_orig_params):
     pytest.importorskip("transformers")
     for plain_keys, restored, same_outputs in run_on_ranks(2, _hf_round_trip, name, use_orig_params, str(tmp_path)):
-        assert plain_keys and restored and same_outputs
+        assert plain_keys
+        assert restored
+        assert same_outputs
 
 
 # ---------------------------------------------------------------------------------------- summon_full_params
@@ -449,7 +465,9 @@ def _summon_options(use_orig_params):
 @pytest.mark.parametrize("use_orig_params", [False, True])
 def test_summon_full_params_options(use_orig_params):
     for grads_ok, rank0_only_ok, edited_ok, refused, stepped_ok in run_on_ranks(2, _summon_options, use_orig_params):
-        assert grads_ok and rank0_only_ok and stepped_ok
+        assert grads_ok
+        assert rank0_only_ok
+        assert stepped_ok
         assert edited_ok  # in-place edits are written back even when the body raises; the state is restored
         assert "writeback=True, rank0_only=True" in refused
 
@@ -486,7 +504,6 @@ def _tied_names_disagree(kind, use_orig_params):
     full["tok.weight"], full["head.weight"] = torch.full_like(full["tok.weight"], 3.0), torch.full_like(full["tok.weight"], 5.0)
     plain.load_state_dict(full)
     if kind == "SHARDED_STATE_DICT":
-        rank, world = dist.get_rank(), dist.get_world_size()
         for name, value in (("tok.weight", 3.0), ("head.weight", 5.0)):
             local = sd[name].to_local()
             sd[name] = DTensor.from_local(torch.full_like(local, value), sd[name].device_mesh, sd[name].placements,
@@ -572,7 +589,10 @@ def test_state_dicts_stay_clean_with_activation_checkpointing(tmp_path, order, u
     for full_clean, sharded_clean, sharded_restored, full_restored in run_on_ranks(
         2, _checkpointed_state_dicts, order, use_orig_params, str(tmp_path)
     ):
-        assert full_clean and sharded_clean and sharded_restored and full_restored
+        assert full_clean
+        assert sharded_clean
+        assert sharded_restored
+        assert full_restored
 
 
 def _full_inside_summon(use_orig_params):
