@@ -7,7 +7,7 @@ streams of its own (see DESIGN.md §4). Version shims and backend-specific choic
 
 Every collective goes through ``_issue``, which counts it per process group and keeps the last few
 (``GroupHealth``): a failed collective breaks the group for fsdp1, so no rank goes on to pair its
-next collectives with the wrong partners (issue 14), and ``check_in_step`` compares the counts.
+next collectives with the wrong partners, and ``check_in_step`` compares the counts.
 """
 
 import os

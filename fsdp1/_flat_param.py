@@ -14,7 +14,7 @@ invariants:
   original ``nn.Parameter`` objects (viewing this rank's shard), otherwise placeholders that raise a
   clear error on use, or views while the storage is alive.
 * Parameters are compared by identity only: ``==`` between tensors is elementwise, so no tensor is
-  ever a member of a set of weak references or a key compared by value (issue 7, tied weights).
+  ever a member of a set of weak references or a key compared by value (tied weights broke so).
 """
 
 import contextlib
@@ -505,7 +505,7 @@ class FlatParamHandle(ShardConversions):
 
     def _sync_requires_grad(self) -> None:
         """The flat parameter needs a gradient while any original one does (frozen or unfrozen after
-        wrapping, issue 7); the gradients kept between steps cover what is trainable now."""
+        wrapping); the gradients kept between steps cover what is trainable now."""
         requires_grad = tuple(slot.param.requires_grad for slot in self._slots)
         if requires_grad == self._requires_grad:
             return

@@ -187,7 +187,7 @@ class RootState:
 
     def recover(self) -> None:
         """Undo what an aborted forward or backward left, so that the next iteration trains as if it
-        had never started (issue 7): reductions in flight are finished and dropped, gradients are
+        had never started: reductions in flight are finished and dropped, gradients are
         those from before it, every unit is sharded and IDLE. A failed *collective* is not this case.
 
         The next forward first checks that the ranks are in step (``check_after_abort``)."""
@@ -203,7 +203,7 @@ class RootState:
 
     def check_after_abort(self) -> None:
         """Before the first collective after an aborted iteration, check that every rank aborted it at
-        the same point (issue 14): an exception on one rank only leaves the others waiting in a
+        the same point: an exception on one rank only leaves the others waiting in a
         collective this rank would pair with its next iteration's (silently, when the shapes agree),
         so that case becomes ``ProcessGroupBroken`` on every rank, after the group's timeout at most.
         Not at the abort itself: an exception nobody catches ends the process at once, as it should."""
@@ -563,7 +563,7 @@ def _finalize_backward(state: RootState) -> None:
                 elif handle.state is not HandleState.SHARDED:  # kept gathered (no_sync); an unused unit never was
                     handle.use_resting_views()
                 handle.prepare_gradient_for_optim()
-                unit.training_state = TrainingState.IDLE
+            unit.training_state = TrainingState.IDLE
             unit._awaits_pre_backward = False
         first_iteration = not state.order.is_fixed
         state.order.fix_pre_forward()

@@ -3,7 +3,7 @@
 
 DCP alone marks a checkpoint complete when its ``.metadata`` lands, but a save over an existing
 directory that dies half way leaves one that loads without error, half old and half new; a flipped
-bit loads silently; and its errors are ``BaseException``s (../shared/spec/reliability.md). Here:
+bit loads silently; and its errors are ``BaseException``s. Here:
 
 - a save writes into a staging directory beside the target and takes the target's name by one
   atomic rename, so a committed checkpoint is never written into; a committed one is never
@@ -159,7 +159,7 @@ class _Lock:
 
 def is_committed(path: PathLike) -> bool:
     """A checkpoint's manifest is there, under a final name: a staging directory of a save that died
-    after sealing it, before the rename, is not one (reliability.md C3)."""
+    after sealing it, before the rename, is not one."""
     return STAGING not in Path(path).name and (Path(path) / MANIFEST).is_file()
 
 
@@ -219,7 +219,7 @@ def _write(state_dict: Dict[str, Any], path: Path, staging: Path, rank: int, gro
 
 
 class AsyncSaver:
-    """Saves in the background (reliability.md C12): ``save`` copies the state to CPU memory, returns,
+    """Saves in the background: ``save`` copies the state to CPU memory, returns,
     and a thread of this process runs ``save``'s protocol on a gloo group of the saver's own, so that
     its collectives never interleave with training's on the default group. One save at a time: the
     next ``save`` first waits for the one in flight. ``wait()`` finishes it and raises its error (on

@@ -1,4 +1,4 @@
-"""The fuzzer's cases and their two runs (issue 14; reliability.md §4): a case (plain JSON, drawn by
+"""The fuzzer's cases and their two runs: a case (plain JSON, drawn by
 ``test_fuzz.py``'s hypothesis strategies) is a module tree, a wrap policy, a world size, options and
 a program of everyday and misuse calls. ``run_case`` runs it on fresh processes, forked from a
 forkserver that imported torch once (a spawned process costs ~5 s here, a fork ~50 ms), each with a

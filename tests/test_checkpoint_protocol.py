@@ -1,4 +1,4 @@
-"""Tests ``fsdp1.checkpoint`` (issue 14, the checkpoint cases of ../shared/spec/reliability.md §3.1):
+"""Tests ``fsdp1.checkpoint`` (README's reliability cases C1–C14):
 a checkpoint is committed (its manifest written last, after every rank wrote its part) or it is not
 one; a committed one is never written into, and every file is checked against the manifest before
 anything is loaded, so a truncated or bit-flipped file is an error naming it on every rank instead
@@ -128,7 +128,7 @@ def _failing_writer_on_rank_1(root):
 
 
 def test_a_save_that_fails_on_one_rank_raises_on_every_rank_and_commits_nothing(tmp_path):
-    """reliability.md C4: ENOSPC on rank 1."""
+    """Case C4: ENOSPC on rank 1."""
     for (kind, message), alive, names, latest, intact in run_on_ranks(2, _failing_writer_on_rank_1, str(tmp_path)):
         assert kind == "CheckpointError"
         assert "rank(s) [1]" in message
@@ -235,7 +235,7 @@ def _killed_job(template, tmp_path):
 
 
 def test_a_rank_killed_during_a_save_leaves_the_last_committed_checkpoint_latest(tmp_path):
-    """reliability.md C1: the job fails, the second save is not a checkpoint, the first is latest."""
+    """Case C1: the job fails, the second save is not a checkpoint, the first is latest."""
     from fsdp1 import checkpoint
 
     _killed_job(JOB, tmp_path)
@@ -251,7 +251,7 @@ def test_a_rank_killed_during_a_save_leaves_the_last_committed_checkpoint_latest
 
 
 def test_every_checkpoint_error_is_an_exception():
-    """reliability.md C13: DCP's own is a BaseException, which `except Exception` misses."""
+    """Case C13: DCP's own is a BaseException, which `except Exception` misses."""
     from fsdp1 import checkpoint
 
     for error in (checkpoint.CheckpointError, checkpoint.CheckpointIncomplete, checkpoint.CheckpointCorrupted,
@@ -301,7 +301,7 @@ def _tiny_head_resume(root, use_orig_params):
 
 @pytest.mark.parametrize("use_orig_params", [False, True])
 def test_a_parameter_with_fewer_rows_than_ranks_resumes_bitwise(use_orig_params, tmp_path):
-    """reliability.md C10 (torch's FSDP1 fails there: "Missing key in checkpoint state_dict:
+    """Case C10 (torch's FSDP1 fails there: "Missing key in checkpoint state_dict:
     optim.param_groups")."""
     for uninterrupted, resumed in run_on_ranks(2, _tiny_head_resume, str(tmp_path), use_orig_params):
         assert resumed == uninterrupted
@@ -325,7 +325,7 @@ def _into_a_wider_model(root):
 
 
 def test_loading_into_another_model_names_the_key_and_both_shapes_on_every_rank(tmp_path):
-    """reliability.md C8."""
+    """Case C8."""
     for kind, message in run_on_ranks(2, _into_a_wider_model, str(tmp_path)):
         assert kind == "CheckpointError" and "rank(s) [0, 1]" in message
         assert "saved torch.Size([8, 4]) and current: torch.Size([12, 4]) for model.0.weight" in message
@@ -390,7 +390,7 @@ def _load_resharded(root):
 
 @pytest.mark.parametrize("world_size", [1, 3, 4])
 def test_a_checkpoint_saved_on_2_ranks_loads_bitwise_on_another_number(world_size, tmp_path):
-    """reliability.md C9: model and Adam state saved at 2 ranks, loaded at 1, 3 and 4."""
+    """Case C9: model and Adam state saved at 2 ranks, loaded at 1, 3 and 4."""
     saved_params, saved_optim = run_on_ranks(2, _save_for_resharding, str(tmp_path))[0]
     for params, optim_state in run_on_ranks(world_size, _load_resharded, str(tmp_path)):
         assert params.keys() == saved_params.keys() and optim_state.keys() == saved_optim.keys()
@@ -413,7 +413,7 @@ def _non_finite(root):
 
 
 def test_a_non_finite_value_is_named_on_every_rank_when_asked(tmp_path):
-    """reliability.md N3: ``load(validate_finite=True)`` names the key holding a NaN on every rank."""
+    """Case N3: ``load(validate_finite=True)`` names the key holding a NaN on every rank."""
     for (kind, message), unchecked in run_on_ranks(2, _non_finite, str(tmp_path)):
         assert kind == "CheckpointNonFinite" and unchecked is None
         assert "'optim.state.blocks.1.fc.weight.exp_avg' holds 1 non-finite value(s), the first nan" in message
@@ -429,7 +429,7 @@ checkpoint.save(state(), {root!r} + "/step_000002")
 
 
 def test_rank_0_killed_while_committing_leaves_the_last_committed_checkpoint_latest(tmp_path):
-    """reliability.md C3: rank 0 dies after sealing the staging directory, before renaming it: the
+    """Case C3: rank 0 dies after sealing the staging directory, before renaming it: the
     sealed staging directory is still no checkpoint, and the first one stays latest."""
     from fsdp1 import checkpoint
 
@@ -446,7 +446,7 @@ def test_rank_0_killed_while_committing_leaves_the_last_committed_checkpoint_lat
 
 
 def _saved_in_the_background(root):
-    """reliability.md C12 on fsdp1's SHARDED state (DTensors; torch's FSDP1 ShardedTensors fail there)."""
+    """Case C12 on fsdp1's SHARDED state (DTensors; torch's FSDP1 ShardedTensors fail there)."""
 
     from fsdp1 import checkpoint
 

@@ -1,4 +1,4 @@
-"""Tests Lightning Fabric's ``FSDPStrategy`` driving fsdp1 under ``fsdp1.use_as_torch_fsdp`` (issue 13),
+"""Tests Lightning Fabric's ``FSDPStrategy`` driving fsdp1 under ``fsdp1.use_as_torch_fsdp``,
 through the strategy's own methods: ``setup_module`` (``auto_wrap_policy={Block}``, with and without
 ``activation_checkpointing_policy={Block}``), ``setup_optimizer``, ``backward`` (also under
 ``no_backward_sync``), ``clip_gradients_norm``, ``optimizer_step``, ``save_checkpoint`` and

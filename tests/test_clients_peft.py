@@ -1,4 +1,4 @@
-"""Tests PEFT's LoRA adapters on fsdp1 units with use_orig_params=True (issue 13), running PEFT's own
+"""Tests PEFT's LoRA adapters on fsdp1 units with use_orig_params=True, running PEFT's own
 code: a tiny GPT-2 built from its config (nothing downloaded) gets a LoRA adapter from
 ``peft.get_peft_model`` (frozen base, trainable adapter) and is wrapped under
 ``fsdp1.use_as_torch_fsdp`` with PEFT's own ``fsdp_auto_wrap_policy`` (torch's lambda and transformer

@@ -105,7 +105,7 @@ def test_clip_grad_norm_is_bitwise_torch_fsdp1s(strategy, use_orig_params, norm_
 
 
 def _nan_on_rank_1(strategy, error_if_nonfinite):
-    """reliability.md N1: a NaN in rank 1's batch at the first step."""
+    """Case N1: a NaN in rank 1's batch at the first step."""
     model = fsdp1.FullyShardedDataParallel(make_gpt(), auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({Block}),
                                            sharding_strategy=fsdp1.ShardingStrategy[strategy], use_orig_params=True)
     inputs, targets = batch(0, dist.get_rank(), dist.get_world_size())

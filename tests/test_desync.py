@@ -1,5 +1,5 @@
 """Tests that ranks which drive fsdp1 differently get a named error instead of silently wrong
-training (issue 14; ../shared/spec/reliability.md §3.3). H4: units run in a rank-dependent order
+training (README's reliability cases). H4: units run in a rank-dependent order
 with equal shapes pair different units' shards in every all-gather without any collective failing;
 torch's FSDP1 trains on silently (and its DETAIL check crashes with use_orig_params=True)."""
 
@@ -67,7 +67,7 @@ def _seeded_by_rank(sync_module_states, require_same_values=False):
 
 
 def test_ranks_that_built_different_values_are_named_unless_rank_0_s_are_taken():
-    """reliability.md H7 (pytorch#75870): each rank keeps its own shard of what it built, so torch's
+    """Case H7 (pytorch#75870): each rank keeps its own shard of what it built, so torch's
     FSDP1 silently trains a mix of differently seeded models. fsdp1 warns on every rank, naming the
     first parameter that differs (scripts that run under torch's FSDP1 must run); with
     FSDP1_REQUIRE_SAME_VALUES=1 it refuses before wrapping anything; with sync_module_states=True

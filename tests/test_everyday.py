@@ -1,4 +1,4 @@
-"""Tests the patterns users bring every day (issue 7), each against ground truth doing exactly the same
+"""Tests the patterns users bring every day, each against ground truth doing exactly the same
 thing: tied weights, evaluating before the optimizer exists, a metric between backward and step,
 unfreezing after wrapping, wrapping a unit again, touching parameters outside forward and
 ``apply(init_fn)``, an exception mid-step, ``.to(dtype)`` after wrapping, two forwards before two

@@ -1,4 +1,4 @@
-"""Fuzzes fsdp1 with hypothesis (issue 14; reliability.md §4): random module trees (tied weights,
+"""Fuzzes fsdp1 with hypothesis: random module trees (tied weights,
 frozen layers, buffers, unused layers, parameters with no elements, fewer rows than ranks) × wrap
 policies × world sizes 1–4 × options × programs of everyday and misuse calls. Each case runs on
 fresh processes with a hard deadline (``_fuzz.run_case``). Every case must either match one process

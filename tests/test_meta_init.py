@@ -1,4 +1,4 @@
-"""Tests deferred initialisation (issue 9): a model built on the meta device is materialised unit by
+"""Tests deferred initialisation: a model built on the meta device is materialised unit by
 unit (``reset_parameters`` or the user's ``param_init_fn``) exactly as torch's FSDP1 does it, never
 holding more than one unit unsharded; ``sync_module_states`` makes rank 0's values win, including
 the pattern where only rank 0 builds real weights and the others build on the meta device."""

@@ -48,7 +48,7 @@ class ConvNet(nn.Module):
 def _gpt2():
     transformers = pytest.importorskip("transformers")
     # Untied: several policies here put the embedding and the head in different units, and a weight
-    # tied across units is still refused at construction (pytorch#77724; issue 9 lifts it).
+    # tied across units is still refused at construction (pytorch#77724).
     config = transformers.GPT2Config(vocab_size=37, n_positions=16, n_embd=10, n_layer=2, n_head=2,
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False,
                                      bos_token_id=0, eos_token_id=0)

@@ -4,7 +4,7 @@ process group of ``--world-size`` ranks (collectives move nothing), fsdp1 next t
     python tools/gpu_fake_pg.py --world-size 8 --json out/gpu_fake_pg.json
 
 NCCL puts one rank on a GPU, and at world size 1 both FSDP1s fall back to NO_SHARD, so a single GPU
-measures sharding only this way (../shared/spec/performance.md §5). The model is the benchmark's GPT
+measures sharding only this way. The model is the benchmark's GPT
 at the GPU configuration there; the losses are meaningless (gathered shards hold no data), the
 allocator's peaks and the wrapper's time are real. Each variant runs in a process of its own, so that
 no allocation of another counts; "left" is what stays allocated once the model and its optimizer

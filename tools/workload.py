@@ -19,7 +19,7 @@ from train_gpt import GPT, Block, state_bytes  # noqa: E402,F401 - the example's
 
 @dataclass(frozen=True)
 class GPTSize:
-    """The CPU configuration of ../shared/spec/performance.md §5 by default (5.29 M parameters)."""
+    """The benchmark's CPU configuration by default (5.29 M parameters)."""
 
     vocab: int = 4096
     seq: int = 128
@@ -73,7 +73,7 @@ class _ClippingAdamW(torch.optim.AdamW):
 
 BF16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 """The mixed precision of the ``*_bf16`` variants: bf16 gathers and compute, fp32 reduction
-(../shared/spec/performance.md's GPU configuration)."""
+(the GPU configuration)."""
 
 
 def _fsdp1(strategy: str, use_orig_params: bool, model: nn.Module, device: torch.device, **options) -> nn.Module:
