@@ -15,6 +15,7 @@ install-examples:
 	$(PYTHON) -m pip install -q "$(TORCH)" -e ".[test,examples]"
 
 test: install
+	$(PYTHON) -m ruff check .
 	$(PYTHON) -m pytest -q tests
 
 # The fuzzer beyond CI's 30 cases (about 3 s a case); a failure is shrunk to a minimal case.

@@ -18,9 +18,9 @@ setup(
         # numpy: torch's object collectives import it in CPU builds (DESIGN.md §6.5). transformers: real
         # model families, built from small configs in memory; accelerate, lightning and peft: the
         # clients' own code runs against fsdp1 (pinned: the versions the tests were run with). hypothesis:
-        # the fuzzer (tests/test_fuzz.py).
+        # the fuzzer (tests/test_fuzz.py). ruff: the linter `make test` runs first (pinned: rules change).
         "test": ["pytest>=7", "expecttest>=0.2", "numpy", "transformers==5.23.0", "accelerate==1.15.0",
-                 "lightning==2.6.6", "peft==0.21.0", "hypothesis>=6.100"],
+                 "lightning==2.6.6", "peft==0.21.0", "hypothesis>=6.100", "ruff==0.17.6"],
         "examples": ["tqdm", "matplotlib", "safetensors"],
     },
 )

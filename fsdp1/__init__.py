@@ -6,6 +6,7 @@
 from . import comm_hooks, sharded_grad_scaler  # noqa: F401 - fsdp1.comm_hooks, fsdp1.sharded_grad_scaler
 from ._collectives import ProcessGroupBroken  # noqa: F401 - fsdp1's own, so not in torch's __all__
 from ._flat_param import FlatParameter  # noqa: F401 - importable, not in __all__, as in torch
+from ._torch_alias import use_as_torch_fsdp  # noqa: F401 - fsdp1's own, so not in torch's __all__
 from .api import (
     BackwardPrefetch,
     CPUOffload,
@@ -22,7 +23,6 @@ from .api import (
     StateDictSettings,
     StateDictType,
 )
-from ._torch_alias import use_as_torch_fsdp  # noqa: F401 - fsdp1's own, so not in torch's __all__
 from .fully_sharded_data_parallel import FullyShardedDataParallel, OptimStateKeyType
 
 __version__ = "0.1.0"

@@ -33,7 +33,6 @@ from .api import ShardingStrategy, coerce_enum
 from .wrap import AutoWrapPolicy, apply_wrap, children_first, plan_auto_wrap
 
 
-
 @dataclasses.dataclass(frozen=True)
 class ProcessGroups:
     """The groups a unit communicates over: it shards over ``shard`` and, under a hybrid strategy,

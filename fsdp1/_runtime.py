@@ -29,9 +29,9 @@ from torch.autograd import Variable
 from torch.autograd.profiler import record_function
 
 from . import _collectives as comm
+from ._common import RESHARD_AFTER_FORWARD, TrainingState
 from ._device import move_to_device
 from ._flat_param import FlatParamHandle, GradReduction, HandleState
-from ._common import RESHARD_AFTER_FORWARD, TrainingState
 from ._mixed_precision import BufferPrecision, cast_floating_tensors
 from ._traversal import fsdp_units, iter_tensors, iter_unit_submodules, unit_paths
 from .api import BackwardPrefetch, ShardingStrategy

@@ -24,8 +24,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.nn.modules.batchnorm import _NormBase
 
 from . import _collectives as comm
-from ._flat_param import FLAT_PARAM, FLATTENED, FlatParameter, FlatParamHandle
 from ._common import TrainingState
+from ._flat_param import FLAT_PARAM, FLATTENED, FlatParameter, FlatParamHandle
 from ._runtime import adopt_replaced_flat_params
 from ._traversal import FSDP_PREFIX, FSDP_WRAPPED_MODULE, clean_fqn, fsdp_units, is_fsdp_unit
 from .api import (

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
-from . import _collectives as comm
 from . import _clip_grad, _init, _optim_state_dict, _runtime, _state_dict, comm_hooks
+from . import _collectives as comm
 from ._common import HYBRID_STRATEGIES, SHARDED_STRATEGIES, TrainingState
 from ._device import materialization_device, resolve_compute_device
 from ._flat_param import CommHook, FlatParameter, FlatParamHandle

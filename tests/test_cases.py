@@ -15,6 +15,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsdp1
+
 from _harness import run_on_ranks
 from _models import (
     batch,

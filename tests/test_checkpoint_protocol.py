@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import fsdp1
+
 from _harness import run_on_ranks
 from _jobs import failed, run_job
 from _models import adam, make_gpt, train_steps, wrap_fsdp1

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import fsdp1
+
 from _accelerate import accelerator_stand_in, load_with_accelerate, save_with_accelerate
 from _harness import run_on_ranks
 from _models import Block, adam, make_gpt, train_steps, wrap_fsdp1, wrap_torch_fsdp

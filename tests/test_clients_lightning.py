@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 import fsdp1
+
 from _harness import run_on_ranks
 from _models import Block, adam, batch, lm_loss, make_gpt
 

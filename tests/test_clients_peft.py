@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 import fsdp1
+
 from _accelerate import accelerator_stand_in, load_with_accelerate, save_with_accelerate
 from _harness import run_on_ranks
 from _models import max_relative_error, relative_errors

@@ -10,9 +10,10 @@ import torch
 import torch.distributed as dist
 
 import fsdp1
+from fsdp1 import comm_hooks
+
 from _harness import run_on_ranks
 from _models import Block, fsdp1_full_params, make_gpt, max_relative_error, torch_fsdp_full_params, train
-from fsdp1 import comm_hooks
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 STEPS = 3

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsdp1
+
 from _harness import run_on_ranks
 from _models import Block, adam, batch, fsdp1_full_params, lm_loss, make_gpt, max_relative_error, relative_errors, train
 

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fsdp1
+
 from _harness import run_on_ranks
 
 

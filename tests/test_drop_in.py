@@ -6,8 +6,8 @@ itself, the private helpers of torch's ``wrap`` module, the exception types of m
 / auto-wrapping, ``_assert_state``, and ``ShardedGradScaler`` under ``use_as_torch_fsdp``."""
 
 import copy
-import os
 import functools
+import os
 import re
 import warnings
 
@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fsdp1
+
 from _harness import run_on_ranks
 from _models import adam, fsdp1_full_params, make_gpt, torch_fsdp_full_params, train_steps, wrap_fsdp1, wrap_torch_fsdp
 

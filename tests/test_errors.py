@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp1
+
 from _harness import run_on_ranks
 
 FSDP = fsdp1.FullyShardedDataParallel

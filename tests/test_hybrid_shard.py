@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsdp1
+
 from _harness import run_on_ranks
 from _models import Block, fsdp1_full_params, make_gpt, max_relative_error, plain_params, relative_errors, train
 

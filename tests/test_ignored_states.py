@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsdp1
+
 from _harness import run_on_ranks
 from _models import Block, fsdp1_full_params, make_gpt, max_relative_error, plain_params, relative_errors, train
 

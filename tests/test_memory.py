@@ -68,9 +68,9 @@ def test_estimator_predicts_the_measured_peak(variant, world_size):
 def _state_dict_memory(implementation, kind, rank, world_size):
     """Bytes a ``state_dict()`` call adds as ``rank`` of ``world_size``: at its peak, and kept in the
     returned dict; plus the largest unit's unsharded bytes."""
-    from live_memory import LiveStorageTracker
-
     import fsdp1
+
+    from live_memory import LiveStorageTracker
     from workload import Block
 
     with fake_process_group(world_size, rank=rank), LiveStorageTracker() as tracker:
@@ -114,6 +114,7 @@ def test_state_dict_saves_hold_at_most_one_unit(world_size):
 def test_loading_a_full_optimizer_state_dict_holds_nothing_beyond_the_result(use_orig_params):
     # torch's FSDP1 holds more (pytorch#110479): 4.5 MiB beyond the result on the benchmark model, 2 ranks
     import fsdp1
+
     from live_memory import LiveStorageTracker
     from workload import Block
 

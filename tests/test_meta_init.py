@@ -14,8 +14,19 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsdp1
+
 from _harness import run_on_ranks
-from _models import D_MODEL, VOCAB, Block, fsdp1_full_params, max_relative_error, plain_params, relative_errors, torch_fsdp_full_params, train
+from _models import (
+    D_MODEL,
+    VOCAB,
+    Block,
+    fsdp1_full_params,
+    max_relative_error,
+    plain_params,
+    relative_errors,
+    torch_fsdp_full_params,
+    train,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from live_memory import LiveStorageTracker  # noqa: E402

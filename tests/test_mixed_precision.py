@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import fsdp1
+
 from _harness import run_on_ranks
 from _models import (
     Block,

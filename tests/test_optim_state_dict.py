@@ -11,10 +11,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from _harness import run_on_ranks
-from _models import make_tied_gpt, train_steps, wrap_fsdp1, wrap_torch_fsdp
 from fsdp1 import FullyShardedDataParallel as FSDP
 from fsdp1 import StateDictType
+
+from _harness import run_on_ranks
+from _models import make_tied_gpt, train_steps, wrap_fsdp1, wrap_torch_fsdp
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
@@ -30,7 +31,8 @@ def _optimizer(model, name):
     """The usual split into two groups by name, as HF's Trainer makes it: no weight decay on biases
     and norms (with use_orig_params=False a unit's flat parameter holds both and decays)."""
     named = list(model.named_parameters())
-    no_decay = lambda n: n.endswith("bias") or ".ln" in n or n.startswith("ln")
+    def no_decay(n):
+        return n.endswith("bias") or ".ln" in n or n.startswith("ln")
     decay = [p for n, p in named if not no_decay(n)]
     rest = [p for n, p in named if no_decay(n)]
     groups = [{"params": decay}] + ([{"params": rest, "weight_decay": 0.0}] if rest else [])
@@ -168,7 +170,8 @@ def _legacy_and_rank0(use_orig_params):
     config = fsdp1.FullOptimStateDictConfig(rank0_only=True)
     with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, optim_state_dict_config=config):
         rank0 = FSDP.optim_state_dict(model, optim)
-    same = lambda a, b: all(torch.equal(a["state"][k][n], b["state"][k][n]) for k in a["state"] for n in a["state"][k])
+    def same(a, b):
+        return all(torch.equal(a["state"][k][n], b["state"][k][n]) for k in a["state"] for n in a["state"][k])
     matches = (same(legacy_full, full) and same(rank0, full)) if rank == 0 else (legacy_full == {} and rank0 == {})
     expected = optim.state_dict()
     sharded = FSDP.sharded_optim_state_dict(model, optim)
@@ -275,14 +278,16 @@ def test_a_fresh_optimizers_template_is_complete_and_changes_nothing(use_orig_pa
 
 def _hybrid_rank0_only(use_orig_params):
     """HYBRID_SHARD (2 replicas × 2): a FULL dict held by rank 0 alone reaches every replica."""
-    import fsdp1
     from torch.distributed.device_mesh import init_device_mesh
+
+    import fsdp1
 
     mesh = init_device_mesh("cpu", (2, 2))
     from _models import Block
 
-    build = lambda seed: FSDP(make_tied_gpt(seed), sharding_strategy=fsdp1.ShardingStrategy.HYBRID_SHARD, device_mesh=mesh,
-                              use_orig_params=use_orig_params, auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({Block}))
+    def build(seed):
+        return FSDP(make_tied_gpt(seed), sharding_strategy=fsdp1.ShardingStrategy.HYBRID_SHARD, device_mesh=mesh,
+                    use_orig_params=use_orig_params, auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({Block}))
     model = build(0)
     optim = _optimizer(model, "adam")
     train_steps(model, optim, 0, 2)

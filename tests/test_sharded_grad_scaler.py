@@ -10,9 +10,10 @@ import torch
 import torch.distributed as dist
 
 import fsdp1
+from fsdp1.sharded_grad_scaler import ShardedGradScaler
+
 from _harness import run_on_ranks
 from _models import Block, batch, fsdp1_full_params, lm_loss, make_gpt, max_relative_error, torch_fsdp_full_params
-from fsdp1.sharded_grad_scaler import ShardedGradScaler
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 

@@ -13,10 +13,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 import fsdp1
-from _harness import run_on_ranks
-from _models import Block, fsdp1_full_params, make_gpt, make_tied_gpt, train, wrap_fsdp1, wrap_torch_fsdp
 from fsdp1 import FullyShardedDataParallel as FSDP
 from fsdp1 import StateDictType
+
+from _harness import run_on_ranks
+from _models import Block, fsdp1_full_params, make_gpt, make_tied_gpt, train, wrap_fsdp1, wrap_torch_fsdp
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:The `NO_SHARD` sharding strategy is deprecated:FutureWarning",
@@ -74,7 +75,8 @@ def test_full_state_dict_is_the_plain_models_and_equals_torch_fsdp1(strategy, us
 def _rank0_only(use_orig_params, offload_to_cpu, torch_config):
     model, _ = _trained(use_orig_params=use_orig_params)
     if torch_config:
-        from torch.distributed.fsdp import FullStateDictConfig, StateDictType as TorchStateDictType
+        from torch.distributed.fsdp import FullStateDictConfig
+        from torch.distributed.fsdp import StateDictType as TorchStateDictType
 
         kind, config = TorchStateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=offload_to_cpu, rank0_only=True)
     else:

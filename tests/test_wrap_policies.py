@@ -12,10 +12,11 @@ from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 from torch.distributed.fsdp import wrap as torch_wrap
 
 import fsdp1
-from _harness import run_on_ranks
-from _models import Block, batch, lm_loss, make_gpt
 from fsdp1 import wrap as fsdp1_wrap
 from fsdp1._traversal import clean_fqn
+
+from _harness import run_on_ranks
+from _models import Block, batch, lm_loss, make_gpt
 
 POLICIES = ["always", "lambda", "transformer", "size_based", "module", "custom"]
 
