@@ -211,9 +211,8 @@ class FlatParamHandle(ShardConversions):
         for slot in self._slots:
             setattr(slot.param, FLATTENED, True)
         self._resting_views: List[torch.Tensor] = []  # use_orig_params: what the originals view at rest
-        self._modules_with_setattr = {
-            id(slot.module) for slot in self._all_slots()
-            if type(slot.module).__setattr__ is not nn.Module.__setattr__ and os.environ.get(UNSAFE_SETATTR) != "1"
+        self._modules_with_setattr = set() if os.environ.get(UNSAFE_SETATTR) == "1" else {
+            id(slot.module) for slot in self._all_slots() if type(slot.module).__setattr__ is not nn.Module.__setattr__
         }
         self._install_initial_views()
         self.state = HandleState.UNSHARDED
@@ -310,8 +309,7 @@ class FlatParamHandle(ShardConversions):
         return self.precision.is_mixed and self.precision.full_precision_in_eval and not self._owner.training
 
     def _make_placeholders(self) -> List[torch.Tensor]:
-        prefix = f"{self._path}." if self._path else ""
-        return [ShardedParamPlaceholder(prefix + s.fqn, shape, self._local_shard) for s, shape in zip(self._slots, self._shapes)]
+        return [ShardedParamPlaceholder(self.clean_fqn(s), shape, self._local_shard) for s, shape in zip(self._slots, self._shapes)]
 
     @property
     def path(self) -> str:

@@ -25,6 +25,7 @@ from ._traversal import (
     iter_outermost_units,
     iter_param_slots,
     iter_unit_submodules,
+    unit_name,
     unit_named_buffers,
     unit_named_modules,
     unit_paths,
@@ -303,7 +304,7 @@ class _UnitPlan:
                 owner = self._owner[id(slot.param)]
                 used_by_owner = any(s.param is slot.param for s in self._own_slots[owner])
                 if slot.param.is_meta and not used_by_owner:
-                    where = f"unit '{self.path(owner)}'" if self.path(owner) else "the root unit"
+                    where = unit_name(self.path(owner))
                     raise ValueError(
                         f"fsdp1: parameter '{slot.fqn}' is tied across units and on the meta device, and {where}, "
                         "which holds it, has no module of its own that uses it, so reset_parameters() would "
@@ -361,7 +362,7 @@ def unit_param_slots(
 
 def validate_unit_params(unit_path: str, slots: Sequence[ParamSlot], use_orig_params: bool) -> None:
     """Raise if the unit's parameters cannot form one FlatParameter, naming the parameter and the fix."""
-    unit = f"unit '{unit_path}'" if unit_path else "the root unit"
+    unit = unit_name(unit_path)
     first: Optional[ParamSlot] = None
     for slot in slots:
         param = slot.param

@@ -261,8 +261,8 @@ def adopt_replaced_flat_params(module: "torch.nn.Module") -> None:
     as its shard: before a state dict or ``summon_full_params`` reads the shards, as before a forward."""
     for unit in fsdp_units(module):
         if unit._handle is not None:
+            unit._handle.write_back_orig_params()  # first, as at a forward: adopting a new shard re-points the originals
             unit._handle.adopt_replaced_flat_param()
-            unit._handle.write_back_orig_params()
 
 
 class WeakPartial:

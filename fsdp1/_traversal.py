@@ -37,6 +37,11 @@ def clean_fqn(fqn: str) -> str:
     return ".".join(part for part in fqn.split(".") if part not in _WRAPPER_NAMES)
 
 
+def unit_name(path: str) -> str:
+    """A unit as messages name it: by its clean path, or as the root."""
+    return f"unit '{path}'" if path else "the root unit"
+
+
 def is_fsdp_unit(module: nn.Module) -> bool:
     return getattr(type(module), "_is_fsdp_unit", False)
 

@@ -13,7 +13,7 @@ from torch import nn
 from . import _collectives as comm
 from ._common import TrainingState
 from ._runtime import adopt_replaced_flat_params
-from ._traversal import fsdp_units, is_fsdp_unit, unit_paths
+from ._traversal import fsdp_units, is_fsdp_unit, unit_name, unit_paths
 
 
 @contextlib.contextmanager
@@ -65,7 +65,7 @@ def _check_idle(module: nn.Module, units: List[nn.Module]) -> None:
         if unit.training_state is TrainingState.IDLE:
             continue
         path = unit._root_state.path_of(unit) if unit._root_state is not None else paths.get(unit)
-        where = f"unit '{path}'" if path else "the root unit"
+        where = unit_name(path)
         if unit.training_state is TrainingState.SUMMON_FULL_PARAMS:
             raise AssertionError(
                 f"fsdp1: Cannot manually unshard parameters when already unsharding parameters: "

@@ -19,7 +19,7 @@ from ._common import HYBRID_STRATEGIES, SHARDED_STRATEGIES, TrainingState
 from ._device import materialization_device, resolve_compute_device
 from ._flat_param import CommHook, FlatParameter, FlatParamHandle
 from ._mixed_precision import HandlePrecision, checked_precision
-from ._traversal import FSDP_WRAPPED_MODULE, ParamSlot, clean_fqn, fsdp_units, unit_paths
+from ._traversal import FSDP_WRAPPED_MODULE, ParamSlot, clean_fqn, fsdp_units, unit_name, unit_paths
 from ._unshard import summon_full_params
 from .api import (
     BackwardPrefetch,
@@ -293,7 +293,7 @@ class FullyShardedDataParallel(nn.Module):
         if self.training_state.name in [s.name for s in expected]:
             return
         path = self._root_state.path_of(self) if self._root_state is not None else None
-        where = "this unit" if path is None else f"unit '{path}'" if path else "the root unit"
+        where = "this unit" if path is None else unit_name(path)
         raise ValueError(
             f"fsdp1: {where} expected to be in states {[s.name for s in expected]} but current state is "
             f"{self.training_state.name}" + (f"; {fix}." if fix else ".")

@@ -265,6 +265,17 @@ class SummonsInside(nn.Module):
         return self.l2(hidden)
 
 
+def _with_units_inside(wrap):
+    """A root whose inner unit has run one step (so it is no root), and a plain model holding a unit."""
+    with_inner = Net()
+    with_inner.a = wrap(with_inner.a)
+    nested = wrap(with_inner)
+    nested(torch.ones(2, 4)).sum().backward()
+    already_wrapped = Net()
+    already_wrapped.a = wrap(already_wrapped.a)
+    return nested, already_wrapped
+
+
 def _misuse_outcomes():
     outcomes = {}
     for name in IMPLEMENTATIONS:
@@ -281,12 +292,7 @@ def _misuse_outcomes():
 
         model = build()
         no_shard = build(sharding_strategy=api.ShardingStrategy.NO_SHARD)
-        with_inner = Net()
-        with_inner.a = build(with_inner.a)
-        nested = build(with_inner)
-        nested(torch.ones(2, 4)).sum().backward()
-        already_wrapped = Net()
-        already_wrapped.a = build(already_wrapped.a)
+        nested, already_wrapped = _with_units_inside(build)
         cases = {
             "apply inside summon_full_params": lambda: inside_summon(model, lambda: model.apply(lambda m: None)),
             "ignored_modules holding an int": lambda: build(ignored_modules=[3]),
@@ -329,12 +335,7 @@ def _messages_keep_torchs_phrases():
     """fsdp1's own messages, which name the unit and the fix, also carry the phrase torch's carry."""
     torch.manual_seed(0)
     fsdp = fsdp1.FullyShardedDataParallel
-    with_inner = Net()
-    with_inner.a = fsdp(with_inner.a)
-    model = fsdp(with_inner)
-    model(torch.ones(2, 4)).sum().backward()
-    already_wrapped = Net()
-    already_wrapped.a = fsdp(already_wrapped.a)
+    model, already_wrapped = _with_units_inside(fsdp)
     plain = Net()
     calls = [
         lambda: fsdp.set_state_dict_type(model, fsdp1.StateDictType.SHARDED_STATE_DICT, fsdp1.FullStateDictConfig()),
