@@ -16,6 +16,7 @@ install-examples:
 
 test: install
 	$(PYTHON) -m ruff check .
+	$(PYTHON) -m mypy
 	$(PYTHON) -m pytest -q tests
 
 # The fuzzer beyond CI's 30 cases (about 3 s a case); a failure is shrunk to a minimal case.
@@ -27,8 +28,8 @@ train: install-examples
 
 migrate: install-examples
 	mkdir -p out
-	$(TORCHRUN) $(MIGRATION)/train_ddp.py --losses out/ddp_losses.json
-	$(TORCHRUN) $(MIGRATION)/train_fsdp1.py --losses out/fsdp1_losses.json
+	$(TORCHRUN) -m examples.ddp_to_fsdp1.train_ddp --losses out/ddp_losses.json
+	$(TORCHRUN) -m examples.ddp_to_fsdp1.train_fsdp1 --losses out/fsdp1_losses.json
 	$(PYTHON) $(MIGRATION)/compare_losses.py out/ddp_losses.json out/fsdp1_losses.json --plot out/losses.png
 	diff $(MIGRATION)/train_ddp.py $(MIGRATION)/train_fsdp1.py || true
 
@@ -40,4 +41,4 @@ accelerate-example: install-examples
 	$(ACCELERATE) --impl torch --checkpoint out/accelerate_torch_checkpoint --expect out/accelerate_run.json
 
 benchmark: install-examples
-	$(PYTHON) tools/benchmark.py --json out/benchmark.json
+	$(PYTHON) -m tools.benchmark --json out/benchmark.json

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, List, Optional
 import torch
 
 from . import _collectives as comm
+from ._flat_param import FlatParamHandle
 
 if TYPE_CHECKING:
     from .fully_sharded_data_parallel import FullyShardedDataParallel as Unit
@@ -23,7 +24,8 @@ if TYPE_CHECKING:
 
 def clip_grad_norm_(root: "Unit", max_norm: float, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
     state = root._root_state
-    handles = [unit._handle for unit in state.units if unit._handle is not None]
+    assert state is not None, "clip_grad_norm_() runs on the root after lazy_init"
+    handles = [unit.handle for unit in state.units if unit.handle is not None]
     if not any(handle.is_sharded for handle in handles):  # every rank holds every gradient: DDP's case
         params = list(root.parameters())
         total = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], norm_type)
@@ -86,12 +88,12 @@ def _refuse_nonfinite(root: "Unit", total: torch.Tensor, nonfinite_here: bool) -
             "error_if_nonfinite=False the norm is returned and the step left to you.")
 
 
-def _grads_of(handle) -> List[torch.Tensor]:
+def _grads_of(handle: FlatParamHandle) -> List[torch.Tensor]:
     """The gradient tensors torch's FSDP1 takes norms of: each original parameter's with
     use_orig_params (None where the parameter has none on this rank), else the flat one."""
     if handle.use_orig_params:
-        return [p.grad for p in handle.orig_params() if p.grad is not None]
-    grad: Optional[torch.Tensor] = handle.optim_grad
+        return [p.grad for p in handle.views.orig_params() if p.grad is not None]
+    grad: Optional[torch.Tensor] = handle.grad.for_optim
     return [] if grad is None else [grad]
 
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, Deque, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh  # noqa: F401 (re-exported for _init)
+from torch.distributed.device_mesh import DeviceMesh  # noqa: F401 (re-exported: comm.DeviceMesh)
 
 ProcessGroup = dist.ProcessGroup
 Work = dist.Work
@@ -34,7 +34,13 @@ def is_initialized() -> bool:
 
 
 def default_group() -> ProcessGroup:
-    return dist.group.WORLD
+    group = dist.group.WORLD
+    if group is None:
+        raise RuntimeError(
+            "fsdp1: torch.distributed is not initialized. Call torch.distributed.init_process_group() "
+            "(e.g. under torchrun) first."
+        )
+    return group
 
 
 def mesh_groups(mesh: DeviceMesh) -> List[ProcessGroup]:
@@ -65,8 +71,8 @@ def all_gather_into(output: torch.Tensor, local_shard: torch.Tensor, group: Proc
         own, peer = _own_and_peer_chunks(output, local_shard.numel(), group)
         own.copy_(local_shard)
         return PairwiseExchange(peer, local_shard, group, "all-gather", about)
-    return _issue(group, "all-gather", local_shard, about,
-                  lambda: _all_gather_single(output, local_shard, group=group, async_op=True))
+    return _issue_async(group, "all-gather", local_shard, about,
+                        lambda: _all_gather_single(output, local_shard, group=group, async_op=True))
 
 
 def reduce_scatter_into(output: torch.Tensor, unsharded: torch.Tensor, group: ProcessGroup,
@@ -75,8 +81,8 @@ def reduce_scatter_into(output: torch.Tensor, unsharded: torch.Tensor, group: Pr
     if _is_gloo_pair(group):
         own, peer = _own_and_peer_chunks(unsharded, output.numel(), group)
         return PairwiseExchange(output, peer, group, "reduce-scatter", about, add_on_wait=own)
-    return _issue(group, "reduce-scatter", unsharded, about,
-                  lambda: _reduce_scatter_single(output, unsharded, group=group, async_op=True))
+    return _issue_async(group, "reduce-scatter", unsharded, about,
+                        lambda: _reduce_scatter_single(output, unsharded, group=group, async_op=True))
 
 
 def _is_gloo_pair(group: ProcessGroup) -> bool:
@@ -114,7 +120,7 @@ class PairwiseExchange:
         splits = [0, 0]
         splits[1 - group_rank(group)] = send.numel()
         self._received, self._add_on_wait = received, add_on_wait
-        self._work = _issue(group, op, send, about, lambda: dist.all_to_all_single(
+        self._work = _issue_async(group, op, send, about, lambda: dist.all_to_all_single(
             received, send, output_split_sizes=splits, input_split_sizes=splits, group=group, async_op=True
         ))
 
@@ -127,20 +133,21 @@ class PairwiseExchange:
 
 def all_reduce(tensor: torch.Tensor, group: ProcessGroup, about: Optional[str] = None) -> "GuardedWork":
     """Sum ``tensor`` over the ranks in place."""
-    return _issue(group, "all-reduce", tensor, about, lambda: dist.all_reduce(tensor, group=group, async_op=True))
+    return _issue_async(group, "all-reduce", tensor, about, lambda: dist.all_reduce(tensor, group=group, async_op=True))
 
 
 def all_reduce_with(tensor: torch.Tensor, group: ProcessGroup, maximum: bool) -> "GuardedWork":
     """Sum (or, with ``maximum``, take the largest of) ``tensor`` over the ranks in place."""
     op = dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM
-    return _issue(group, "all-reduce", tensor, None, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True))
+    return _issue_async(group, "all-reduce", tensor, None,
+                        lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True))
 
 
 def broadcast_from_first(tensor: torch.Tensor, group: ProcessGroup) -> "GuardedWork":
     """Overwrite ``tensor`` on every rank with the group's first rank's."""
     source = dist.get_global_rank(group, 0)
-    return _issue(group, "broadcast", tensor, None,
-                  lambda: dist.broadcast(tensor, src=source, group=group, async_op=True))
+    return _issue_async(group, "broadcast", tensor, None,
+                        lambda: dist.broadcast(tensor, src=source, group=group, async_op=True))
 
 
 def all_to_all(output: torch.Tensor, send: torch.Tensor, output_splits: List[int], send_splits: List[int],
@@ -197,7 +204,7 @@ def global_rank() -> int:
 def all_gather_object(obj: Any, group: ProcessGroup) -> List[Any]:
     """Every rank's ``obj``, in group-rank order (small metadata only: it is pickled)."""
     gathered: List[Any] = [None] * group_size(group)
-    _issue(group, "all-gather of an object", None, (), lambda: dist.all_gather_object(gathered, obj, group=group))
+    _issue(group, "all-gather of an object", None, None, lambda: dist.all_gather_object(gathered, obj, group=group))
     return gathered
 
 
@@ -319,6 +326,14 @@ def _issue(group: ProcessGroup, op: str, tensor: Optional[torch.Tensor], about: 
     return GuardedWork(work, health, record) if work is not None else None
 
 
+def _issue_async(group: ProcessGroup, op: str, tensor: Optional[torch.Tensor], about: Optional[str],
+                 start: Callable[[], Optional[Work]]) -> GuardedWork:
+    """``_issue`` for a collective started with ``async_op=True``, which returns its ``Work``."""
+    guarded = _issue(group, op, tensor, about, start)
+    assert guarded is not None, f"the asynchronous {op} returned no Work"
+    return guarded
+
+
 def _compare_fingerprints(group: ProcessGroup, health: GroupHealth, record: _Record) -> None:
     """FSDP1_DEBUG_COLLECTIVES=1 (read when fsdp1 first uses the group): before each collective the
     ranks compare what they are about to issue, so a mismatch of op, size, dtype or unit is named at
@@ -357,7 +372,7 @@ def check_in_step(group: ProcessGroup, reached: str, remedy: str) -> None:
     issued = health.issued
     if _is_gloo(group):
         try:
-            group.monitored_barrier(_timeout_of(group), wait_all_ranks=True)
+            group.monitored_barrier(_timeout_of(group), wait_all_ranks=True)  # type: ignore[attr-defined]  # not in the stubs
         except Exception as error:  # gloo names the ranks that did not come (to rank 0)
             raise health.fail(f"Not every rank reached {reached} ({remedy});", error, names_the_late=False) from error
     counts = all_gather_object(issued, group)

@@ -10,7 +10,7 @@ import dataclasses
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Collection, Dict, Iterable, List, Optional, Protocol, Set, Tuple, Type
 
 import torch
 from torch import nn
@@ -85,6 +85,16 @@ def cast_floating_tensors(dtype: Optional[torch.dtype], obj: Any) -> Any:
     return map_tensors(lambda t: t.to(dtype) if torch.is_floating_point(t) and t.dtype != dtype else t, obj)
 
 
+class UnitBuffers(Protocol):
+    """What ``BufferPrecision`` reads of a unit: its module, the module its buffers are found from
+    (nested units and ignored modules left out), and its mixed precision."""
+
+    owner: nn.Module
+    hooked: nn.Module
+    ignored_modules: Collection[nn.Module]
+    mixed_precision: Optional[MixedPrecision]
+
+
 class BufferPrecision:
     """The buffers of a root's units in their ``buffer_dtype`` for computation, and back in their own
     dtype for evaluation in full precision; the state dict always shows their own dtype.
@@ -93,15 +103,16 @@ class BufferPrecision:
     evaluation), so a training step does no per-buffer work.
     """
 
-    def __init__(self, units: Iterable[nn.Module]) -> None:
+    def __init__(self, units: Iterable["UnitBuffers"]) -> None:
         self._entries: List[Tuple[nn.Module, str, torch.dtype, torch.dtype]] = []  # module, attr, own, compute
-        self._own_dtypes: Dict[nn.Module, Dict[str, torch.dtype]] = {}  # unit -> clean name -> dtype
+        self._own_dtypes: Dict[nn.Module, Dict[str, torch.dtype]] = {}  # unit module -> clean name -> dtype
         for unit in units:
-            buffer_dtype = unit.mixed_precision.buffer_dtype if unit.mixed_precision is not None else None
+            mixed_precision = unit.mixed_precision
+            buffer_dtype = mixed_precision.buffer_dtype if mixed_precision is not None else None
             if buffer_dtype is None:
                 continue
-            own = self._own_dtypes[unit] = {}
-            for name, module, attr, buffer in unit_named_buffers(unit._fsdp_wrapped_module, unit._ignored.modules):
+            own = self._own_dtypes[unit.owner] = {}
+            for name, module, attr, buffer in unit_named_buffers(unit.hooked, unit.ignored_modules):
                 if torch.is_floating_point(buffer):
                     own[name] = buffer.dtype
                     self._entries.append((module, attr, buffer.dtype, buffer_dtype))
@@ -134,7 +145,7 @@ def plan_full_precision_modules(root: nn.Module, mixed_precision: Optional[Mixed
         return
     classes = tuple(set(mixed_precision._module_classes_to_ignore))
     ignored = set(ignored)
-    found: set = set()
+    found: Set[Type[nn.Module]] = set()
     for module in root.modules():
         if not classes or not isinstance(module, classes) or module in ignored or module is root:
             continue

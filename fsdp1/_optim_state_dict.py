@@ -12,79 +12,21 @@ no state for it), so every rank issues the same collectives.
 
 import contextlib
 import warnings
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from . import _collectives as comm
-from ._flat_param import FlatParamHandle
-from ._shard_conversions import piece_in_shard
-from ._state_dict import _dim0_chunk, _effective_type, get_state_dict_type, rows_as_dtensors, state_dict_type
-from ._traversal import clean_fqn, fsdp_units, unit_paths
+from ._layout import piece_in_shard
+from ._optim_params import OptimizerParams, State, UnitEntry, params_in, params_of
+from ._state_dict import _all_units, _dim0_chunk, _effective_type, get_state_dict_type, rows_as_dtensors, state_dict_type
 from .api import FullOptimStateDictConfig, StateDictType
-
-if TYPE_CHECKING:
-    from .fully_sharded_data_parallel import FullyShardedDataParallel as Unit
-
-State = Dict[str, Any]
-
-
-@dataclass
-class _UnitEntry:
-    """One unit's parameters as the optimizer holds them: the flat parameter at ``positions[0]``
-    (use_orig_params=False), or each original parameter at its own position (None: not in the
-    optimizer)."""
-
-    unit: "Unit"
-    handle: FlatParamHandle
-    fqns: List[str]  # clean names from the model root, flat order
-    positions: List[Optional[int]]
-
-
-class OptimizerParams:
-    """Which optimizer parameter (by position over all param groups, as ``optim.state_dict()``
-    numbers them) is which original parameter of the model."""
-
-    def __init__(self, model: nn.Module, params: List[nn.Parameter]) -> None:
-        position = {id(p): i for i, p in enumerate(params)}
-        self.count = len(params)
-        self.units: List[_UnitEntry] = []
-        self.fqns_at: Dict[int, List[str]] = {}
-        covered = set()
-        for unit, path in unit_paths(model).items():
-            handle = unit._handle
-            if handle is None:
-                continue
-            dot = f"{path}." if path else ""
-            fqns = [dot + clean_fqn(fqn) for fqn in handle.fqns]
-            members = [handle.flat_param] if not handle.use_orig_params else handle.orig_params()
-            positions = [position.get(id(p)) for p in members]
-            covered.update(id(p) for p in members)
-            if all(p is None for p in positions):
-                continue
-            self.units.append(_UnitEntry(unit, handle, fqns, positions))
-            if handle.use_orig_params:
-                self.fqns_at.update((pos, [fqn]) for pos, fqn in zip(positions, fqns) if pos is not None)
-            else:
-                self.fqns_at[positions[0]] = fqns
-        self.plain: List[Tuple[int, str]] = []  # parameters outside every unit (ignored ones, a plain root's)
-        for name, param in model.named_parameters():
-            if id(param) in position and id(param) not in covered:
-                self.plain.append((position[id(param)], clean_fqn(name)))
-                self.fqns_at[position[id(param)]] = [clean_fqn(name)]
-        missing = [i for i in range(self.count) if i not in self.fqns_at]
-        if missing:
-            raise ValueError(
-                f"fsdp1: the optimizer holds {len(missing)} parameter(s) that are not in this model (first at "
-                f"position {missing[0]}); build the optimizer from model.parameters() of the wrapped model."
-            )
 
 
 def _check_every_rank_calls(model: nn.Module, api: str) -> None:
-    units = fsdp_units(model)
+    units = _all_units(model)
     if units:
         comm.check_every_rank_calls(units[0].process_group, api)
 
@@ -98,7 +40,7 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_state
     if settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
         return fresh_state_template(optim) if optim_state_dict is None else optim_state_dict
     _check_every_rank_calls(model, "optim_state_dict()")
-    params = OptimizerParams(model, _params_of(optim))
+    params = OptimizerParams(model, params_of(optim))
     if optim_state_dict is None:
         optim_state_dict = optim.state_dict() if _stepped_on_any_rank(params, optim) else fresh_state_template(optim)
     config = settings.optim_state_dict_config
@@ -120,17 +62,18 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_state
     return {"state": state, "param_groups": groups}
 
 
-def _unit_state_out(entry: _UnitEntry, saved: Dict[int, State], sharded: bool, offload: bool, keep: bool,
+def _unit_state_out(entry: UnitEntry, saved: Dict[int, State], sharded: bool, offload: bool, keep: bool,
                     out: Dict[str, State]) -> None:
     handle = entry.handle
     sharded = sharded and _effective_type(entry.unit) is StateDictType.SHARDED_STATE_DICT  # NO_SHARD: full, as its parameters
     tensors, scalars, stateful = _agreed_state(entry, saved)
     for name, dtype in tensors.items():
         flat = _shard_laid_out(entry, saved, name, dtype)
+        values: Sequence[torch.Tensor]
         if sharded:
-            values = rows_as_dtensors(entry.unit, handle.rows_of(flat), offload)
+            values = rows_as_dtensors(entry.unit, handle.conversions.rows_of(flat), offload)
         else:
-            gathered = handle.full_values_of(flat)  # every rank takes part; only those that keep copy out
+            gathered = handle.conversions.full_values_of(flat)  # every rank takes part; only those that keep copy out
             values = [value.to("cpu", copy=True) if offload else value.clone() for value in gathered] if keep else []
         if keep:
             for index, fqn in enumerate(entry.fqns):
@@ -142,7 +85,7 @@ def _unit_state_out(entry: _UnitEntry, saved: Dict[int, State], sharded: bool, o
                 out.setdefault(fqn, {})[name] = _copied(value)  # a step per name: optimizers add to it in place
 
 
-def _agreed_state(entry: _UnitEntry, saved: Dict[int, State]) -> Tuple[Dict[str, torch.dtype], Dict[int, State], set]:
+def _agreed_state(entry: UnitEntry, saved: Dict[int, State]) -> Tuple[Dict[str, torch.dtype], Dict[int, State], Set[int]]:
     """The unit's tensor state names (with dtypes), its scalar states per parameter (per index of
     the flat order; index 0 for the flat parameter) and the indices that have any state, as the
     union over the ranks."""
@@ -166,17 +109,17 @@ def _agreed_state(entry: _UnitEntry, saved: Dict[int, State]) -> Tuple[Dict[str,
     return dict(sorted(tensors.items())), scalars, stateful
 
 
-def _shard_laid_out(entry: _UnitEntry, saved: Dict[int, State], name: str, dtype: torch.dtype) -> torch.Tensor:
+def _shard_laid_out(entry: UnitEntry, saved: Dict[int, State], name: str, dtype: torch.dtype) -> torch.Tensor:
     """State ``name`` of the unit as one tensor laid out as the local shard (zeros where no
     parameter of this rank has it)."""
     handle = entry.handle
     if not handle.use_orig_params:
-        value = saved.get(entry.positions[0], {}).get(name)
+        value = saved.get(entry.flat_position, {}).get(name)
         if value is not None:
             return value
-        return torch.zeros(handle.shard_numel, dtype=dtype, device=handle.flat_param.device)
-    flat = torch.zeros(handle.shard_numel, dtype=dtype, device=handle.flat_param.device)
-    for info, position in zip(handle.shard_infos, entry.positions):
+        return torch.zeros(handle.layout.shard_numel, dtype=dtype, device=handle.flat_param.device)
+    flat = torch.zeros(handle.layout.shard_numel, dtype=dtype, device=handle.flat_param.device)
+    for info, position in zip(handle.layout.shard_infos, entry.positions):
         value = saved.get(position, {}).get(name) if position is not None else None
         if value is not None and info.in_shard:
             flat[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard] = value.reshape(-1)
@@ -199,7 +142,7 @@ def _stepped_on_any_rank(params: "OptimizerParams", optim: torch.optim.Optimizer
 
 def _has_state_or_grads(optim: torch.optim.Optimizer) -> bool:
     """The optimizer has stepped here, or has gradients to step on: its ``state_dict()`` is the state."""
-    return bool(optim.state) or any(p.grad is not None for p in _params_of(optim))
+    return bool(optim.state) or any(p.grad is not None for p in params_of(optim))
 
 
 def fresh_state_template(optim: torch.optim.Optimizer) -> State:
@@ -209,7 +152,7 @@ def fresh_state_template(optim: torch.optim.Optimizer) -> State:
     optimizer is put back as it was, so that asking for a template changes no later step."""
     if _has_state_or_grads(optim):
         return optim.state_dict()
-    params = _params_of(optim)
+    params = params_of(optim)
     for param in params:
         if param.requires_grad:
             param.grad = torch.zeros_like(param)
@@ -243,19 +186,24 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, opt
     settings = get_state_dict_type(model)
     kind = settings.state_dict_type
     if kind is StateDictType.LOCAL_STATE_DICT:
+        if optim_state_dict is None:
+            raise ValueError(
+                "fsdp1: optim_state_dict_to_load() got None for the optimizer state dict; under LOCAL_STATE_DICT "
+                "pass what FullyShardedDataParallel.optim_state_dict(model, optim) returned."
+            )
         result = optim_state_dict
     else:
         _check_every_rank_calls(model, "optim_state_dict_to_load()")
         from_rank0 = kind is StateDictType.FULL_STATE_DICT and getattr(settings.optim_state_dict_config, "rank0_only", False)
         mode = "sharded" if kind is StateDictType.SHARDED_STATE_DICT else "rank0" if from_rank0 else "full"
         group_sizes = [len(group["params"]) for group in optim.param_groups]
-        result = _to_load(model, _params_of(optim), group_sizes, optim_state_dict or {}, mode)
+        result = _to_load(model, params_of(optim), group_sizes, optim_state_dict or {}, mode)
     if load_directly:
         optim.load_state_dict(result)
     return result
 
 
-def _to_load(model: nn.Module, order: List[nn.Parameter], group_sizes: Optional[List[int]], given: State,
+def _to_load(model: nn.Module, order: Sequence[torch.Tensor], group_sizes: Optional[List[int]], given: State,
              mode: str) -> State:
     """``given`` keyed by the positions of ``order`` (the optimizer's parameters). With the optimizer's
     ``group_sizes`` its groups are checked against the dict's; without (an older load given no
@@ -283,7 +231,8 @@ def _to_load(model: nn.Module, order: List[nn.Parameter], group_sizes: Optional[
             state[position] = {k: v.full_tensor() if isinstance(v, DTensor) else _copied(v) for k, v in by_name[fqn].items()}
     if group_sizes is None:
         return {"state": state, "param_groups": _groups_by_position(groups, params)}
-    start, loaded_groups = 0, []
+    start = 0
+    loaded_groups: List[State] = []
     for group, size in zip(groups, group_sizes):
         expected = [f for p in range(start, start + size) for f in params.fqns_at[p]]
         if sorted(group["params"]) != sorted(expected):  # by name: another wrapping may order them otherwise
@@ -322,7 +271,7 @@ class _TensorState:
         self.dtype = dtype
 
 
-def _unit_state_in(entry: _UnitEntry, by_name: Dict[str, State], mode: str, out: Dict[int, State]) -> None:
+def _unit_state_in(entry: UnitEntry, by_name: Dict[str, State], mode: str, out: Dict[int, State]) -> None:
     handle = entry.handle
     present = [by_name.get(fqn, {}) for fqn in entry.fqns]
     if mode == "rank0":  # rank 0 checks and describes the unit's state to every rank (values stay on rank 0)
@@ -337,9 +286,9 @@ def _unit_state_in(entry: _UnitEntry, by_name: Dict[str, State], mode: str, out:
     if mode == "sharded" and _effective_type(entry.unit) is StateDictType.FULL_STATE_DICT:
         mode = "full"  # a NO_SHARD unit saved full tensors, as its parameters
     names = sorted({n for s in present for n, v in s.items() if _is_tensor_state(v) or isinstance(v, _TensorState)})
-    shapes = [p.shape for p in handle.orig_params()] if handle.use_orig_params else []
+    shapes = [p.shape for p in handle.views.orig_params()] if handle.use_orig_params else []
     if handle.use_orig_params and mode == "full":  # each parameter's slice straight from its full value
-        for info, position, state, shape in zip(handle.shard_infos, entry.positions, present, shapes):
+        for info, position, state, shape in zip(handle.layout.shard_infos, entry.positions, present, shapes):
             if position is not None and state and info.in_shard:
                 out[position] = {n: piece_in_shard(info, v).reshape(shape).clone() if n in names else _copied(v)
                                  for n, v in state.items()}
@@ -351,16 +300,16 @@ def _unit_state_in(entry: _UnitEntry, by_name: Dict[str, State], mode: str, out:
         template = like.new_empty(0, dtype=next(v for v in values if v is not None).dtype)
         if mode == "sharded":
             rows = [None if v is None else _dim0_chunk(entry.unit, handle, i, v) for i, v in enumerate(values)]
-            flats[name] = handle.shard_of_rows(rows, template)
+            flats[name] = handle.conversions.shard_of_rows(rows, template)
         elif mode == "full":
-            flats[name] = handle.shard_of_full_values(values, template)
+            flats[name] = handle.conversions.shard_of_full_values(values, template)
         else:
             flats[name] = _scattered(entry, values, template)
     if not handle.use_orig_params:
         scalars = next((s for s in present if s), {})
-        out[entry.positions[0]] = {**_scalars_of(scalars), **flats}
+        out[entry.flat_position] = {**_scalars_of(scalars), **flats}
         return
-    for index, (info, position, shape) in enumerate(zip(handle.shard_infos, entry.positions, shapes)):
+    for index, (info, position, shape) in enumerate(zip(handle.layout.shard_infos, entry.positions, shapes)):
         if position is None or not present[index] or not info.in_shard:
             continue
         pieces = {n: flats[n][info.offset_in_shard : info.offset_in_shard + info.numel_in_shard].reshape(shape).clone()
@@ -368,10 +317,10 @@ def _unit_state_in(entry: _UnitEntry, by_name: Dict[str, State], mode: str, out:
         out[position] = {**_scalars_of(present[index]), **pieces}
 
 
-def _shape_problem(entry: _UnitEntry, present: List[State]) -> Optional[str]:
+def _shape_problem(entry: UnitEntry, present: List[State]) -> Optional[str]:
     """What is wrong, if anything: a tensor state must have its parameter's shape (of the whole
     parameter: FULL and SHARDED alike describe the unsharded one)."""
-    for fqn, state, shape in zip(entry.fqns, present, entry.handle.shapes):
+    for fqn, state, shape in zip(entry.fqns, present, entry.handle.layout.shapes):
         for name, value in state.items():
             if _is_tensor_state(value) and tuple(value.shape) != tuple(shape):
                 return (f"fsdp1: optimizer state '{name}' of '{fqn}' has shape {tuple(value.shape)}, the parameter "
@@ -379,19 +328,19 @@ def _shape_problem(entry: _UnitEntry, present: List[State]) -> Optional[str]:
     return None
 
 
-def _scattered(entry: _UnitEntry, values: List[Any], template: torch.Tensor) -> torch.Tensor:
+def _scattered(entry: UnitEntry, values: List[Any], template: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a state whose full values only global rank 0 holds: rank 0 lays out one
     unit's state and scatters it over its shard group (a broadcast when the unit is not sharded);
     under a hybrid strategy the other replicas then receive their shard from the first replica."""
     handle, unit = entry.handle, entry.unit
-    full = handle.padded_full_of(values, template) if comm.global_rank() == 0 else None
+    full = handle.conversions.padded_full_of(values, template) if comm.global_rank() == 0 else None
     holds_rank0 = comm.global_rank_of(unit.process_group, 0) == 0
     if not handle.is_sharded:
-        shard = full if full is not None else template.new_empty(handle.shard_numel)
+        shard = full if full is not None else template.new_empty(handle.layout.shard_numel)
         if holds_rank0:
             comm.broadcast_from_first(shard, unit.process_group).wait()
     else:
-        shard = template.new_empty(handle.shard_numel)
+        shard = template.new_empty(handle.layout.shard_numel)
         if holds_rank0:
             comm.scatter_from_first(shard, full, unit.process_group)
     if handle.replicate_group is not None:
@@ -405,10 +354,6 @@ def _copied(value: Any) -> Any:
 
 def _is_tensor_state(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0
-
-
-def _params_of(optim: torch.optim.Optimizer) -> List[nn.Parameter]:
-    return [p for group in optim.param_groups for p in group["params"]]
 
 
 def _scalars_of(state: State) -> State:
@@ -489,17 +434,8 @@ def _full_to_load(full: Optional[State], model: nn.Module, optim: Optional[torch
             stacklevel=4,
         )
     _check_every_rank_calls(model, "optim_state_dict_to_load()")
-    order = list(model.parameters()) if optim_input is None else _params_in(optim_input)
+    order = list(model.parameters()) if optim_input is None else params_in(optim_input)
     return _to_load(model, order, None, full or {}, "rank0" if rank0_only else "full")
-
-
-def _params_in(optim_input: Any) -> List[nn.Parameter]:
-    """What an optimizer built on ``optim_input`` (parameters, or param-group dicts) numbers, in order."""
-    params: List[nn.Parameter] = []
-    for item in optim_input:
-        group = item["params"] if isinstance(item, dict) else [item]
-        params.extend([group] if isinstance(group, torch.Tensor) else group)
-    return params
 
 
 def rekey_optim_state_dict(optim_state_dict: State, by_name: bool, model: nn.Module,
@@ -507,7 +443,7 @@ def rekey_optim_state_dict(optim_state_dict: State, by_name: bool, model: nn.Mod
     """The same state keyed by clean parameter name (``by_name``) or by position, where positions
     count the names of ``optim``'s parameters (or ``model.parameters()``) in order, a flat parameter
     counting once per original parameter it holds: what a model without FSDP numbers them."""
-    params = OptimizerParams(model, _params_of(optim) if optim is not None else list(model.parameters()))
+    params = OptimizerParams(model, params_of(optim) if optim is not None else list(model.parameters()))
     names = [fqn for position in range(params.count) for fqn in params.fqns_at[position]]
     index = {name: i for i, name in enumerate(names)}
 

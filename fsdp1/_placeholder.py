@@ -14,13 +14,15 @@ class ShardedParamPlaceholder(torch.Tensor):
     read (a view of the freed unsharded storage would read out of bounds). Shape, dtype and device
     answer; any other use raises an error naming the parameter and the fix."""
 
+    # The getters of Tensor's metadata attributes, which are descriptors on the class (the stubs type
+    # them as the values they give).
     _METADATA = frozenset(
         [
-            torch.Tensor.shape.__get__,
-            torch.Tensor.ndim.__get__,
-            torch.Tensor.dtype.__get__,
+            torch.Tensor.shape.__get__,  # type: ignore[attr-defined]  # a descriptor at runtime
+            torch.Tensor.ndim.__get__,  # type: ignore[attr-defined]  # a descriptor at runtime
+            torch.Tensor.dtype.__get__,  # type: ignore[attr-defined]  # a descriptor at runtime
             torch.Tensor.device.__get__,
-            torch.Tensor.requires_grad.__get__,
+            torch.Tensor.requires_grad.__get__,  # type: ignore[attr-defined]  # a descriptor at runtime
             torch.Tensor.size,
             torch.Tensor.dim,
             torch.Tensor.numel,
@@ -35,7 +37,7 @@ class ShardedParamPlaceholder(torch.Tensor):
         return placeholder
 
     @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
         if func in cls._METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
@@ -50,8 +52,8 @@ class ShardedParamPlaceholder(torch.Tensor):
         )
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]  # the stub leaves out func
         cls.__torch_function__(func, types, args, kwargs)
 
-    def __repr__(self) -> str:  # type: ignore[override]
+    def __repr__(self) -> str:  # type: ignore[override]  # Tensor's takes tensor_contents
         return f"ShardedParamPlaceholder('{self._fqn}', shape={tuple(self.shape)}: sharded, use summon_full_params)"

@@ -16,7 +16,7 @@ rest on under the wrapped names; its post-hook reports missing and unexpected ke
 """
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple, cast
 
 import torch
 from torch import nn
@@ -25,9 +25,10 @@ from torch.nn.modules.batchnorm import _NormBase
 
 from . import _collectives as comm
 from ._common import TrainingState
-from ._flat_param import FLAT_PARAM, FLATTENED, FlatParameter, FlatParamHandle
-from ._runtime import adopt_replaced_flat_params
+from ._flat_param import FlatParameter, FlatParamHandle
 from ._traversal import FSDP_PREFIX, FSDP_WRAPPED_MODULE, clean_fqn, fsdp_units, is_fsdp_unit
+from ._unit_state import adopt_replaced_flat_params
+from ._views import FLAT_PARAM, FLATTENED
 from .api import (
     STATE_DICT_CONFIG_TYPES,
     FullStateDictConfig,
@@ -104,13 +105,17 @@ def state_dict_type(
 
 
 def _units_of(module: nn.Module, api: str) -> List["Unit"]:
-    units = fsdp_units(module)
+    units = _all_units(module)
     if not units:
         raise ValueError(
             f"fsdp1: {api}() found no FullyShardedDataParallel unit in {type(module).__name__}; pass the "
             "wrapped model (or a module that contains its units)."
         )
-    return units  # type: ignore[return-value]
+    return units
+
+
+def _all_units(module: nn.Module) -> List["Unit"]:
+    return cast(List["Unit"], fsdp_units(module))  # fsdp_units tells a unit by a class flag, which mypy cannot follow
 
 
 def _settings_of(unit: "Unit") -> StateDictSettings:
@@ -149,7 +154,7 @@ def saving(unit: "Unit") -> Iterator[None]:
     if handle is None or handle.use_orig_params or _effective_type(unit) is StateDictType.LOCAL_STATE_DICT:
         yield
         return
-    with handle.names_registered(_NAME_ONLY):
+    with handle.views.names_registered(_NAME_ONLY):
         yield
 
 
@@ -166,7 +171,7 @@ def _post_state_dict(unit: "Unit", destination: Dict[str, Any], prefix: str, loc
     keep = not (kind is StateDictType.FULL_STATE_DICT and getattr(config, "rank0_only", False) and comm.global_rank() != 0)
     if unit._handle is not None and _in_summon_full_params(unit):
         destination.pop(prefix + FLAT_PARAM, None)
-        for fqn, _ in unit._handle.slot_fqns():
+        for fqn, _ in unit._handle.views.slot_fqns():
             key = prefix + clean_fqn(fqn)
             if key in destination:
                 value = destination[key].detach()
@@ -190,7 +195,7 @@ def _save_params(unit: "Unit", handle: FlatParamHandle, destination: Dict[str, A
     """Fill the keys of the unit's parameters (placeholders or shard views until now) in ``kind``'s
     form; LOCAL puts the flat shard in their place."""
     flat_key = prefix + FLAT_PARAM
-    keys = [(prefix + clean_fqn(fqn), index) for fqn, index in handle.slot_fqns()]
+    keys = [(prefix + clean_fqn(fqn), index) for fqn, index in handle.views.slot_fqns()]
     if kind is StateDictType.LOCAL_STATE_DICT:
         for key, _ in keys:
             destination.pop(key, None)
@@ -222,7 +227,7 @@ def _strip_wrapper_names(destination: Dict[str, Any], prefix: str) -> None:
         destination[prefix + clean_fqn(key[len(prefix) :])] = destination.pop(key)
 
 
-def _full_values(handle: FlatParamHandle, keep: bool, offload_to_cpu: bool) -> Optional[List[torch.Tensor]]:
+def _full_values(handle: FlatParamHandle, keep: bool, offload_to_cpu: bool) -> Optional[Sequence[torch.Tensor]]:
     """Every parameter's full value, copied out of the gathered buffer (collective on every rank);
     None on a rank that keeps nothing, which frees the gathered unit at once."""
     with handle.gathered_views() as views:
@@ -233,25 +238,27 @@ def _full_values(handle: FlatParamHandle, keep: bool, offload_to_cpu: bool) -> O
 
 def _sharded_values(unit: "Unit", handle: FlatParamHandle, offload_to_cpu: bool) -> List[DTensor]:
     """One DTensor per parameter, split along dim 0 over the unit's shard group (torch's layout)."""
-    return rows_as_dtensors(unit, handle.dim0_chunks(), offload_to_cpu)
+    return rows_as_dtensors(unit, handle.conversions.dim0_chunks(), offload_to_cpu)
 
 
 def rows_as_dtensors(unit: "Unit", rows: List[torch.Tensor], offload_to_cpu: bool) -> List[DTensor]:
-    """Each parameter's rows of this rank (``handle.dim0_chunks()`` or ``rows_of`` a state) as the
+    """Each parameter's rows of this rank (``handle.conversions.dim0_chunks()`` or ``rows_of`` a state) as the
     DTensor of the whole parameter, ``Shard(0)`` over the unit's shard group."""
     mesh = _mesh_of(unit)
+    handle = unit._handle
+    assert handle is not None, "rows of a unit without parameters"
     return [
         DTensor.from_local(chunk.cpu() if offload_to_cpu else chunk, mesh, [Shard(0)], run_check=False, shape=shape,
                            stride=_contiguous_stride(shape))
-        for chunk, shape in zip(rows, unit._handle.shapes)
+        for chunk, shape in zip(rows, handle.layout.shapes)
     ]
 
 
 def _local_dtensor(unit: "Unit", handle: FlatParamHandle, offload_to_cpu: bool) -> DTensor:
     """The unit's unpadded flat parameter as a DTensor whose local part is this rank's shard (a view)."""
-    local = handle.local_flat_shard()
+    local = handle.conversions.local_flat_shard()
     local = local.cpu() if offload_to_cpu else local
-    numel = handle.unpadded_numel
+    numel = handle.layout.unpadded_numel
     return DTensor.from_local(local, _mesh_of(unit), [Shard(0)], run_check=False, shape=torch.Size([numel]), stride=(1,))
 
 
@@ -276,7 +283,7 @@ def loading(unit: "Unit", strict: bool) -> Iterator[None]:
     passes them True whatever it is), so that missing and unexpected keys are refused before anything
     is written, not after."""
     adopt_replaced_flat_params(unit)
-    units = fsdp_units(unit)
+    units = _all_units(unit)
     for member in units:
         member._load_is_strict = strict
     try:
@@ -305,13 +312,13 @@ def _pre_load_state_dict(
             if value is None:
                 missing_keys.append(clean_prefix + FLAT_PARAM)
             else:
-                handle.load_local_flat_shard(_local_part(_materialized(value)))
+                handle.conversions.load_local_flat_shard(_local_part(_materialized(value)))
                 loaded.add(clean_prefix + FLAT_PARAM)
-                loaded.update(clean_prefix + clean_fqn(fqn) for fqn, _ in handle.slot_fqns())
+                loaded.update(clean_prefix + clean_fqn(fqn) for fqn, _ in handle.views.slot_fqns())
         else:
             loaded.add(clean_prefix + FLAT_PARAM)
-            values: List[Optional[Any]] = [None] * len(handle.shapes)
-            for fqn, index in handle.slot_fqns():
+            values: List[Optional[Any]] = [None] * len(handle.layout.shapes)
+            for fqn, index in handle.views.slot_fqns():
                 name = clean_fqn(fqn)
                 value = state_dict.pop(prefix + name, None)
                 if value is None:
@@ -320,9 +327,9 @@ def _pre_load_state_dict(
                 loaded.add(clean_prefix + name)
                 values[index] = _materialized(value)  # of a tied parameter's names, the last one wins, as in nn.Module
             if kind is StateDictType.FULL_STATE_DICT:
-                handle.load_full_params([None if v is None else _full_value(v) for v in values])
+                handle.conversions.load_full_params([None if v is None else _full_value(v) for v in values])
             else:
-                handle.load_dim0_chunks([None if v is None else _dim0_chunk(unit, handle, i, v) for i, v in enumerate(values)])
+                handle.conversions.load_dim0_chunks([None if v is None else _dim0_chunk(unit, handle, i, v) for i, v in enumerate(values)])
     unit._keys_loaded_by_hook = loaded
     for key in [key for key in state_dict if key.startswith(prefix)]:
         state_dict[prefix + FSDP_PREFIX + key[len(prefix) :]] = state_dict.pop(key)
@@ -353,8 +360,8 @@ def _dim0_chunk(unit: "Unit", handle: FlatParamHandle, index: int, value: Any) -
     """This rank's dim-0 rows of ``value``: the local part of a DTensor or ShardedTensor laid out as
     this unit saves (the usual case: a template from ``state_dict()`` filled by DCP), else cut from
     the full value (a plain tensor, or any other layout gathered first)."""
-    shape = handle.shapes[index]
-    rows = handle.rows_held(index)
+    shape = handle.layout.shapes[index]
+    rows = handle.conversions.rows_held(index)
     first, last = rows.start, rows.end
     world = unit.world_size if handle.is_sharded else 1
     if isinstance(value, DTensor):
@@ -466,10 +473,10 @@ def _add_unit_entries(unit: "Unit", dot: str, expected: Dict[str, Optional[torch
     if handle is None:
         return
     if _effective_type(unit) is StateDictType.LOCAL_STATE_DICT:
-        expected[dot + FLAT_PARAM] = torch.Size([handle.unpadded_numel])
+        expected[dot + FLAT_PARAM] = torch.Size([handle.layout.unpadded_numel])
         return
-    for fqn, index in handle.slot_fqns():
-        expected[dot + clean_fqn(fqn)] = handle.shapes[index]
+    for fqn, index in handle.views.slot_fqns():
+        expected[dot + clean_fqn(fqn)] = handle.layout.shapes[index]
 
 
 def _loads_in_own_way(module: nn.Module) -> bool:

@@ -63,8 +63,10 @@ class use_as_torch_fsdp:  # noqa: N801 - used as a function, as torch's own cont
     def __init__(self) -> None:
         if not self._in_effect:
             helpers = importlib.import_module(TORCH_STATE_DICT_HELPERS)  # first: it binds the class it finds
-            replacements = [(importlib.import_module(name), "FullyShardedDataParallel", FullyShardedDataParallel)
-                            for name in TORCH_FSDP_MODULES]
+            replacements: List[Tuple[Any, str, Any]] = [
+                (importlib.import_module(name), "FullyShardedDataParallel", FullyShardedDataParallel)
+                for name in TORCH_FSDP_MODULES
+            ]
             lookup = "_get_module_fsdp_state_if_fully_sharded_module"
             replacements += [(module, "ShardedGradScaler", ShardedGradScaler)
                              for module in map(importlib.import_module, TORCH_SCALER_MODULES)

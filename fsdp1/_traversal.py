@@ -2,12 +2,13 @@
 walking nested outputs.
 
 Read-only: nothing here changes a module. A module counts as an FSDP unit when its class says so
-(``_is_fsdp_unit``), which keeps this module free of an import of the wrapper class.
+(``_is_fsdp_unit``) or it holds a unit state, which keeps this module free of an import of the
+wrapper class.
 """
 
 import dataclasses
 from collections import deque
-from typing import Any, Callable, Collection, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Collection, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -31,6 +32,13 @@ class ParamSlot:
     attr: str
     param: Optional[nn.Parameter]
 
+    @property
+    def live_param(self) -> nn.Parameter:
+        """``param`` where it must still be held: before the handle flattens it (construction), or
+        with use_orig_params."""
+        assert self.param is not None, f"the parameter '{self.fqn}' was dropped when its unit flattened it"
+        return self.param
+
 
 def clean_fqn(fqn: str) -> str:
     """``fqn`` as the user's unwrapped model names it (a unit's own path may end in a wrapper name)."""
@@ -42,8 +50,13 @@ def unit_name(path: str) -> str:
     return f"unit '{path}'" if path else "the root unit"
 
 
+FSDP_STATE = "_fsdp_state"
+"""The attribute under which a unit module holds its ``UnitState`` (in its ``__dict__``)."""
+
+
 def is_fsdp_unit(module: nn.Module) -> bool:
-    return getattr(type(module), "_is_fsdp_unit", False)
+    """A ``FullyShardedDataParallel`` (its class says so), or any module that holds a unit state."""
+    return getattr(type(module), "_is_fsdp_unit", False) or FSDP_STATE in module.__dict__
 
 
 def fsdp_units(module: nn.Module, root_only: bool = False) -> List[nn.Module]:
@@ -71,6 +84,33 @@ def iter_param_slots(
     for name, child in module._modules.items():
         if child is not None and not stop(child):
             yield from iter_param_slots(child, f"{prefix}{name}.", stop)
+
+
+Registrations = Tuple[Tuple[ParamSlot, ...], Tuple[Tuple[ParamSlot, int], ...], Tuple[Tuple[str, int], ...]]
+
+
+def split_registrations(slots: Sequence[ParamSlot]) -> Registrations:
+    """First occurrence of each parameter; every later registration of it with its first's index;
+    and the other names of a registration already seen: a module registered under two names
+    (``m.b = m.a``) is reached twice with the same attribute, one registration whose second name
+    only state dicts list."""
+    first_index: Dict[int, int] = {}  # id(param) -> index in unique: identity, never tensor ==
+    registrations = set()
+    unique: List[ParamSlot] = []
+    shared: List[Tuple[ParamSlot, int]] = []
+    aliases: List[Tuple[str, int]] = []
+    for slot in slots:
+        index = first_index.get(id(slot.param))
+        if (id(slot.module), slot.attr) in registrations:
+            aliases.append((slot.fqn, index))  # type: ignore[arg-type]  # a registration seen before has an index
+            continue
+        registrations.add((id(slot.module), slot.attr))
+        if index is not None:
+            shared.append((slot, index))
+        else:
+            first_index[id(slot.param)] = len(unique)
+            unique.append(slot)
+    return tuple(unique), tuple(shared), tuple(aliases)
 
 
 def iter_outermost_units(module: nn.Module, prefix: str = "", stop: Callable[[nn.Module], bool] = lambda m: False) -> Iterator[Tuple[str, nn.Module]]:

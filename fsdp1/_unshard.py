@@ -12,8 +12,8 @@ from torch import nn
 
 from . import _collectives as comm
 from ._common import TrainingState
-from ._runtime import adopt_replaced_flat_params
-from ._traversal import fsdp_units, is_fsdp_unit, unit_name, unit_paths
+from ._traversal import is_fsdp_unit, unit_name, unit_paths
+from ._unit_state import UnitState, adopt_replaced_flat_params, state_of, unit_states
 
 
 @contextlib.contextmanager
@@ -44,7 +44,7 @@ def summon_full_params(
             "rank0_only=True is not supported): the other ranks hold no full parameters to take their shards "
             "from. Pass writeback=False with rank0_only=True."
         )
-    units = fsdp_units(module) if recurse else ([module] if is_fsdp_unit(module) else [])
+    units = unit_states(module) if recurse else ([state_of(module)] if is_fsdp_unit(module) else [])
     _check_idle(module, units)
     if units:
         comm.check_every_rank_calls(units[0].process_group, "summon_full_params()")
@@ -54,18 +54,18 @@ def summon_full_params(
         for unit in units:
             unit.training_state = TrainingState.SUMMON_FULL_PARAMS
             stack.callback(setattr, unit, "training_state", TrainingState.IDLE)
-            if unit._handle is not None:
-                stack.enter_context(unit._handle.full_params(writeback, expose, offload_to_cpu, with_grads))
+            if unit.handle is not None:
+                stack.enter_context(unit.handle.full_params(writeback, expose, offload_to_cpu, with_grads))
         yield
 
 
-def _check_idle(module: nn.Module, units: List[nn.Module]) -> None:
+def _check_idle(module: nn.Module, units: List[UnitState]) -> None:
     paths = unit_paths(module)
     for unit in units:
         if unit.training_state is TrainingState.IDLE:
             continue
-        path = unit._root_state.path_of(unit) if unit._root_state is not None else paths.get(unit)
-        where = unit_name(path)
+        path = unit.path
+        where = unit_name(paths.get(unit.owner, "?") if path is None else path)
         if unit.training_state is TrainingState.SUMMON_FULL_PARAMS:
             raise AssertionError(
                 f"fsdp1: Cannot manually unshard parameters when already unsharding parameters: "

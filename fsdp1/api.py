@@ -174,9 +174,9 @@ def coerce_config(config: object, config_cls: Type[ConfigT], argument: str, purp
     (a dataclass with the same fields) converted field by field. Any other class is an error that
     names what the argument needs (and ``purpose``, what it is needed for)."""
     if type(config) is config_cls:
-        return config  # type: ignore[return-value]
+        return config
     if dataclasses.is_dataclass(config) and type(config).__name__ == config_cls.__name__:
-        names = [field.name for field in dataclasses.fields(config_cls)]  # type: ignore[arg-type]
+        names = [field.name for field in dataclasses.fields(config_cls)]  # type: ignore[arg-type]  # ConfigT: dataclasses
         return config_cls(**{name: getattr(config, name) for name in names if hasattr(config, name)})
     raise RuntimeError(
         f"fsdp1: Expected {argument} of type {config_cls.__name__}{purpose}, but got "  # torch's phrase

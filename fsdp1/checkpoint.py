@@ -42,7 +42,7 @@ MANIFEST = "fsdp1_manifest.json"
 STAGING = ".partial-"
 """A save stages into ``<path>.partial-<id>``: never a checkpoint, whatever it holds."""
 
-PathLike = Union[str, os.PathLike]
+PathLike = Union[str, "os.PathLike[str]"]
 
 
 class CheckpointError(Exception):

@@ -1,25 +1,40 @@
 """``FullyShardedDataParallel``: the module users wrap their model in.
 
-``__init__`` is a recipe of named construction steps; ``forward`` hands over to ``_runtime``; the
-public methods are thin. Everything here keeps torch FSDP1's names, argument order and defaults, so
+``__init__`` is a recipe of named construction steps that ends by giving the unit its ``UnitState``
+(``_unit_state``), which owns the runtime and whose hooks do the work of ``forward``; the public
+methods are thin, and torch's attribute names read the state through properties. Everything here keeps torch FSDP1's names, argument order and defaults, so
 a script written for torch's FSDP1 runs after swapping the import.
 """
 
 import contextlib
-from enum import Enum, auto
+from enum import Enum
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
-from . import _clip_grad, _init, _optim_state_dict, _runtime, _state_dict, comm_hooks
+from . import _clip_grad, _state_dict, comm_hooks
 from . import _collectives as comm
 from ._common import HYBRID_STRATEGIES, SHARDED_STRATEGIES, TrainingState
 from ._device import materialization_device, resolve_compute_device
-from ._flat_param import CommHook, FlatParameter, FlatParamHandle
+from ._flat_grad import CommHook
+from ._flat_param import FlatParamHandle
+from ._initial_values import MetaInit, check_param_init_fn, check_same_values, move_to_compute_device
+from ._initial_values import sync_module_states as sync_states_from_first
 from ._mixed_precision import HandlePrecision, checked_precision
+from ._optim_state_dict_api import OptimStateDictAPI, OptimStateKeyType
+from ._process_groups import (
+    ProcessGroups,
+    coerce_sharding_strategy,
+    node_local_groups,
+    resolve_process_groups,
+    resolve_sharding_strategy,
+)
+from ._runtime import RootState
 from ._traversal import FSDP_WRAPPED_MODULE, ParamSlot, clean_fqn, fsdp_units, unit_name, unit_paths
+from ._unit_plan import auto_wrap, resolve_ignored_states, unit_param_slots
+from ._unit_state import UnitState, forget_roots, state_of
 from ._unshard import summon_full_params
 from .api import (
     BackwardPrefetch,
@@ -39,14 +54,7 @@ from .wrap import AutoWrapPolicy
 __all__ = ["FullyShardedDataParallel", "OptimStateKeyType"]
 
 
-class OptimStateKeyType(Enum):
-    """How ``rekey_optim_state_dict`` keys optimizer state: by parameter name or by position."""
-
-    PARAM_NAME = auto()
-    PARAM_ID = auto()
-
-
-class FullyShardedDataParallel(nn.Module):
+class FullyShardedDataParallel(nn.Module, OptimStateDictAPI):
     """Shards a module's parameters, gradients and optimizer state over the ranks of a process group.
 
     Each unit flattens the parameters of its module (minus those of nested units) into one
@@ -60,7 +68,7 @@ class FullyShardedDataParallel(nn.Module):
     def __init__(
         self,
         module: nn.Module,
-        process_group: Optional[comm.ProcessGroup] = None,
+        process_group: Optional[Union[comm.ProcessGroup, Tuple[comm.ProcessGroup, comm.ProcessGroup]]] = None,
         sharding_strategy: Optional[ShardingStrategy] = None,
         cpu_offload: Optional[CPUOffload] = None,
         auto_wrap_policy: Optional[AutoWrapPolicy] = None,
@@ -82,26 +90,21 @@ class FullyShardedDataParallel(nn.Module):
         # Check everything before touching the module.
         if mixed_precision is not None:
             mixed_precision = checked_precision(coerce_config(mixed_precision, MixedPrecision, "mixed_precision"))
-        _init.check_param_init_fn(param_init_fn)
-        strategy = _init.coerce_sharding_strategy(sharding_strategy)
+        check_param_init_fn(param_init_fn)
+        strategy = coerce_sharding_strategy(sharding_strategy)
         if strategy in HYBRID_STRATEGIES and process_group is None and device_mesh is None and comm.is_initialized():
-            process_group = _init.node_local_groups()  # made once; the units auto-wrapping builds share them
-        groups = _init.resolve_process_groups(process_group, device_mesh, strategy)
-        self.process_group = groups.shard
-        self.rank = comm.group_rank(self.process_group)
-        self.world_size = comm.group_size(self.process_group)
-        self.sharding_strategy = _init.resolve_sharding_strategy(strategy, groups)
-        self._ignored = _init.resolve_ignored_states(module, ignored_modules, ignored_states)
+            process_group = node_local_groups()  # made once; the units auto-wrapping builds share them
+        groups = resolve_process_groups(process_group, device_mesh, strategy)
+        self.rank = comm.group_rank(groups.shard)
+        self.world_size = comm.group_size(groups.shard)
+        strategy = resolve_sharding_strategy(strategy, groups)
+        self._ignored = resolve_ignored_states(module, ignored_modules, ignored_states)
         self.cpu_offload = CPUOffload() if cpu_offload is None else coerce_config(cpu_offload, CPUOffload, "cpu_offload")
-        self.mixed_precision = mixed_precision
-        self.backward_prefetch = (
-            None if backward_prefetch is None else coerce_enum(backward_prefetch, BackwardPrefetch, "backward_prefetch")
-        )
-        self.forward_prefetch = forward_prefetch
+        prefetch = None if backward_prefetch is None else coerce_enum(backward_prefetch, BackwardPrefetch, "backward_prefetch")
         self.limit_all_gathers = limit_all_gathers
 
         if not sync_module_states and _params_of_outer_units is None:  # the call the user made
-            _init.check_same_values(module, self._ignored, groups)
+            check_same_values(module, self._ignored, groups)
 
         # Children first: each planned submodule becomes its own unit with the same arguments (and
         # the parameters it must leave to an outer unit).
@@ -121,58 +124,20 @@ class FullyShardedDataParallel(nn.Module):
                 ignored_states=self._ignored.params or None,
                 device_mesh=device_mesh,
             )
-            _init.auto_wrap(module, auto_wrap_policy, child_kwargs, type(self), self._ignored)
+            auto_wrap(module, auto_wrap_policy, child_kwargs, type(self), self._ignored)
 
-        # This unit materialises and synchronises what the children left, then flattens it on the
-        # compute device. Meta parameters reset by the default init get their storage in the flat
-        # buffer itself, so their unit is never held twice.
-        meta_init = _init.MetaInit(module, param_init_fn, materialization_device(device_id), self._ignored)
-        if meta_init.is_needed and not meta_init.is_in_place:
-            meta_init.run_param_init_fn()
-        slots = _init.unit_param_slots(module, use_orig_params, self._ignored, _params_of_outer_units or ())
-
-        def initialize(slots: Sequence[ParamSlot]) -> None:
-            if meta_init.is_in_place:
-                meta_init.reset_in_place()
-            if sync_module_states:
-                _init.sync_module_states(module, slots, self._ignored, groups)
-
-        if meta_init.is_in_place:
-            self.compute_device = meta_init.device
-        else:
-            self.compute_device = resolve_compute_device(module, device_id, self._ignored.params)
-        if device_id is not None:
-            _init.move_to_compute_device(module, self.compute_device, self._ignored)
-        if not meta_init.is_in_place:
-            initialize(slots)  # on the compute device: NCCL broadcasts no CPU tensor
+        handle, compute_device = self._flatten(module, groups, strategy, mixed_precision, use_orig_params, param_init_fn,
+                                               device_id, sync_module_states, _params_of_outer_units or ())
         self._fsdp_wrapped_module = module
-        self._handle: Optional[FlatParamHandle] = None
-        if slots:
-            is_sharded = self.sharding_strategy in SHARDED_STRATEGIES and self.world_size > 1
-            self._handle = FlatParamHandle(
-                slots, module, groups.shard, groups.replicate, is_sharded, use_orig_params,
-                HandlePrecision.of(mixed_precision, slots[0].param.dtype), self.cpu_offload.offload_params,
-                materialize_in_place=initialize if meta_init.is_in_place else None, device=self.compute_device,
-            )
-        elif meta_init.is_in_place:
-            initialize(slots)
-        for unit, path in unit_paths(self).items():
-            if unit._handle is not None and unit is not self:
-                unit._handle.set_path(path)
 
-        # Runtime state; the root is decided lazily, at the first forward.
-        _runtime.forget_roots(module)
-        self.training_state = TrainingState.IDLE
-        self._is_root: Optional[bool] = None
-        self._root_state: Optional[_runtime.RootState] = None
-        self._sync_gradients = True
-        self._awaits_pre_backward = False  # an output of this forward will call _pre_backward
-        self._backward_graph_task = -1  # autograd graph task this unit's backward began in
-        self._awaits_reduction = False  # a nested backward accumulated a partial gradient
-        self._has_post_backward_hook = False
-        self._submodule_forward: Optional[nn.Module] = None  # a submodule called from outside, running
-        _runtime.register_post_backward_hook(self)
-        _runtime.register_forward_hooks(self)
+        # Runtime state, owned by the unit's state; the root is decided lazily, at the first forward.
+        forget_roots(module)
+        UnitState(self, module, handle, groups.shard, strategy, mixed_precision, prefetch, forward_prefetch,
+                  compute_device, self._ignored.modules)
+        for unit, path in unit_paths(self).items():
+            nested = state_of(unit).handle
+            if nested is not None and unit is not self:
+                nested.set_path(path)
 
         # State dicts: FULL by default, as torch's; the names are torch's, which clients read.
         self._state_dict_type = StateDictType.FULL_STATE_DICT
@@ -182,6 +147,111 @@ class FullyShardedDataParallel(nn.Module):
         self._keys_loaded_by_hook: Set[str] = set()  # by the load pre-hook, for the post-hook's report
         self._load_is_strict: Optional[bool] = None  # known while a load called on a unit runs
         _state_dict.register_hooks(self)
+
+    def _flatten(self, module: nn.Module, groups: ProcessGroups, strategy: ShardingStrategy,
+                 mixed_precision: Optional[MixedPrecision], use_orig_params: bool,
+                 param_init_fn: Optional[Callable[[nn.Module], None]], device_id: Optional[Union[int, torch.device]],
+                 sync_module_states: bool, params_of_outer_units: Iterable[nn.Parameter]
+                 ) -> Tuple[Optional[FlatParamHandle], torch.device]:
+        """This unit materialises and synchronises what its children left, then flattens it on the
+        compute device (the handle, None without parameters, and that device). Meta parameters reset
+        by the default init get their storage in the flat buffer itself, so that their unit is never
+        held twice."""
+        meta_init = MetaInit(module, param_init_fn, materialization_device(device_id), self._ignored)
+        if meta_init.is_needed and not meta_init.is_in_place:
+            meta_init.run_param_init_fn()
+        slots = unit_param_slots(module, use_orig_params, self._ignored, params_of_outer_units)
+
+        def initialize(slots: Sequence[ParamSlot]) -> None:
+            if meta_init.is_in_place:
+                meta_init.reset_in_place()
+            if sync_module_states:
+                sync_states_from_first(module, slots, self._ignored, groups)
+
+        if meta_init.is_in_place:
+            compute_device = meta_init.device
+        else:
+            compute_device = resolve_compute_device(module, device_id, self._ignored.params)
+        if device_id is not None:
+            move_to_compute_device(module, compute_device, self._ignored)
+        if not meta_init.is_in_place:
+            initialize(slots)  # on the compute device: NCCL broadcasts no CPU tensor
+        if not slots:
+            if meta_init.is_in_place:
+                initialize(slots)
+            return None, compute_device
+        is_sharded = strategy in SHARDED_STRATEGIES and self.world_size > 1
+        first = slots[0].param
+        assert first is not None, "a unit's slots hold their parameters until the handle flattens them"
+        handle = FlatParamHandle(
+            slots, module, groups.shard, groups.replicate, is_sharded, use_orig_params,
+            HandlePrecision.of(mixed_precision, first.dtype), self.cpu_offload.offload_params,
+            materialize_in_place=initialize if meta_init.is_in_place else None, device=compute_device,
+        )
+        return handle, compute_device
+
+    # ------------------------------------------------------------------------------ the unit's state
+    # torch's attribute names, which clients and torch's own tests read; the ``UnitState`` owns them.
+    @property
+    def _fsdp_state(self) -> UnitState:
+        return state_of(self)
+
+    @property
+    def _handle(self) -> Optional[FlatParamHandle]:
+        return state_of(self).handle
+
+    @property
+    def training_state(self) -> TrainingState:
+        return state_of(self).training_state
+
+    @training_state.setter
+    def training_state(self, value: TrainingState) -> None:
+        state_of(self).training_state = value
+
+    @property
+    def _is_root(self) -> Optional[bool]:
+        return state_of(self).is_root
+
+    @property
+    def _root_state(self) -> Optional[RootState]:
+        state = state_of(self)
+        return state.root_state if state.has_root_state else None
+
+    @property
+    def _sync_gradients(self) -> bool:
+        return state_of(self).sync_gradients
+
+    @property
+    def process_group(self) -> comm.ProcessGroup:
+        return state_of(self).process_group
+
+    @property
+    def sharding_strategy(self) -> ShardingStrategy:
+        return state_of(self).sharding_strategy
+
+    @property
+    def mixed_precision(self) -> Optional[MixedPrecision]:
+        return state_of(self).mixed_precision
+
+    @property
+    def compute_device(self) -> torch.device:
+        return state_of(self).compute_device
+
+    @property
+    def backward_prefetch(self) -> Optional[BackwardPrefetch]:
+        return state_of(self).backward_prefetch
+
+    @backward_prefetch.setter
+    def backward_prefetch(self, value: Optional[BackwardPrefetch]) -> None:
+        state_of(self).backward_prefetch = value
+
+    @property
+    def forward_prefetch(self) -> bool:
+        return state_of(self).forward_prefetch
+
+    @forward_prefetch.setter
+    def forward_prefetch(self, value: bool) -> None:
+        state_of(self).forward_prefetch = value
 
     # ------------------------------------------------------------------------------ module protocol
     @property
@@ -210,7 +280,7 @@ class FullyShardedDataParallel(nn.Module):
         try:
             return self._run_forward(args, kwargs)
         except BaseException:
-            _runtime.abort_forward(self)
+            state_of(self).abort_forward()
             raise
 
     def _run_forward(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
@@ -230,12 +300,13 @@ class FullyShardedDataParallel(nn.Module):
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "FullyShardedDataParallel":
         """``.to()``, ``.double()``, ``.half()`` and friends convert the flat parameter, and the handle
         rebuilds every buffer and view from it, so that all of them keep one dtype and device."""
-        if self._handle is None:
+        state = state_of(self)
+        if state.handle is None:
             return super()._apply(fn, recurse)
-        with self._handle.flat_param_registered():
+        with state.handle.flat_param_registered():
             result = super()._apply(fn, recurse)
-        self._handle.adopt_converted_flat_param()
-        self.compute_device = self._handle.compute_device  # with offloading the shard stays on the CPU
+        state.handle.adopt_converted_flat_param()
+        state.compute_device = state.handle.compute_device  # with offloading the shard stays on the CPU
         return result
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[Tuple[str, nn.Parameter]]:
@@ -253,7 +324,7 @@ class FullyShardedDataParallel(nn.Module):
             return named
         return ((clean_fqn(name), value) for name, value in named)
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
+    def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:  # type: ignore[override]  # nn.Module's arguments, passed on
         """``nn.Module.state_dict`` in the form ``state_dict_type`` set (FULL by default), under the
         unwrapped model's names. Collective: every rank must call it."""
         if FSDP_WRAPPED_MODULE not in kwargs.get("prefix", "").split("."):  # not a nested unit's part of a call
@@ -274,15 +345,15 @@ class FullyShardedDataParallel(nn.Module):
         return self._handle is not None
 
     @property
-    def _flat_param(self) -> Optional[FlatParameter]:
+    def _flat_param(self) -> Optional[nn.Parameter]:
         return self._handle.flat_param if self._handle is not None else None
 
     @property
-    def params(self) -> List[FlatParameter]:
+    def params(self) -> List[nn.Parameter]:
         return [self._handle.flat_param] if self._handle is not None else []
 
     def check_is_root(self) -> bool:
-        _runtime.lazy_init(self)
+        state_of(self).lazy_init()
         return bool(self._is_root)
 
     def _assert_state(self, state: Union[Enum, Sequence[Enum]], fix: str = "") -> None:
@@ -292,7 +363,7 @@ class FullyShardedDataParallel(nn.Module):
         expected = [state] if isinstance(state, Enum) else list(state)
         if self.training_state.name in [s.name for s in expected]:
             return
-        path = self._root_state.path_of(self) if self._root_state is not None else None
+        path = state_of(self).path
         where = "this unit" if path is None else unit_name(path)
         raise ValueError(
             f"fsdp1: {where} expected to be in states {[s.name for s in expected]} but current state is "
@@ -300,64 +371,6 @@ class FullyShardedDataParallel(nn.Module):
         )
 
     summon_full_params = staticmethod(summon_full_params)
-    @staticmethod
-    def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: Optional[Dict[str, Any]] = None,
-                         group: Optional[comm.ProcessGroup] = None) -> Dict[str, Any]:
-        """The optimizer's state by clean parameter name, in the form ``state_dict_type`` set (FULL:
-        full tensors; SHARDED: DTensor rows for DCP; LOCAL: as the optimizer keeps it). A fresh
-        optimizer gets its state first, so the result is a complete template. Collective."""
-        return _optim_state_dict.optim_state_dict(model, optim, optim_state_dict)
-
-    @staticmethod
-    def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: Dict[str, Any],
-                                 is_named_optimizer: bool = False, load_directly: bool = False,
-                                 group: Optional[comm.ProcessGroup] = None) -> Dict[str, Any]:
-        """What ``optim.load_state_dict`` takes, from what ``optim_state_dict`` gave (on any world
-        size, for SHARDED). Collective."""
-        return _optim_state_dict.optim_state_dict_to_load(model, optim, optim_state_dict, load_directly)
-
-    @staticmethod
-    def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_input: Any = None,
-                              rank0_only: bool = True, group: Optional[comm.ProcessGroup] = None) -> Dict[str, Any]:
-        """The older API: ``optim_state_dict`` under FULL (on rank 0 only, by default)."""
-        return _optim_state_dict.full_optim_state_dict(model, optim, rank0_only)
-
-    @staticmethod
-    def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
-                                 group: Optional[comm.ProcessGroup] = None) -> Dict[str, Any]:
-        """The older API: ``optim_state_dict`` under SHARDED."""
-        return _optim_state_dict.sharded_optim_state_dict(model, optim)
-
-    @staticmethod
-    def shard_full_optim_state_dict(full_optim_state_dict: Dict[str, Any], model: nn.Module, optim_input: Any = None,
-                                    optim: Optional[torch.optim.Optimizer] = None) -> Dict[str, Any]:
-        """The older API: each rank's part of a FULL dict that every rank holds, for ``optim.load_state_dict``
-        of ``optim`` (or, as torch's, of an optimizer built on ``model.parameters()``, or on ``optim_input``)."""
-        return _optim_state_dict.shard_full_optim_state_dict(full_optim_state_dict, model, optim, optim_input)
-
-    @staticmethod
-    def flatten_sharded_optim_state_dict(sharded_optim_state_dict: Dict[str, Any], model: nn.Module,
-                                         optim: torch.optim.Optimizer) -> Dict[str, Any]:
-        """The older API: ``optim_state_dict_to_load`` under SHARDED."""
-        return _optim_state_dict.flatten_sharded_optim_state_dict(sharded_optim_state_dict, model, optim)
-
-    @staticmethod
-    def scatter_full_optim_state_dict(full_optim_state_dict: Optional[Dict[str, Any]], model: nn.Module,
-                                      optim_input: Any = None, optim: Optional[torch.optim.Optimizer] = None,
-                                      group: Optional[Any] = None) -> Dict[str, Any]:
-        """The older API: rank 0 holds the FULL dict (the others pass None) and sends each rank its part
-        (for ``optim``, or as ``shard_full_optim_state_dict`` without it)."""
-        return _optim_state_dict.scatter_full_optim_state_dict(full_optim_state_dict, model, optim, optim_input)
-
-    @staticmethod
-    def rekey_optim_state_dict(optim_state_dict: Dict[str, Any], optim_state_key_type: "OptimStateKeyType",
-                               model: nn.Module, optim_input: Any = None,
-                               optim: Optional[torch.optim.Optimizer] = None) -> Dict[str, Any]:
-        """The same state keyed by clean parameter name or by position (as a model without FSDP numbers
-        its parameters), to move optimizer state between wrapped and unwrapped models."""
-        by_name = coerce_enum(optim_state_key_type, OptimStateKeyType, "optim_state_key_type") is OptimStateKeyType.PARAM_NAME
-        return _optim_state_dict.rekey_optim_state_dict(optim_state_dict, by_name, model, optim)
-
     set_state_dict_type = staticmethod(_state_dict.set_state_dict_type)
     get_state_dict_type = staticmethod(_state_dict.get_state_dict_type)
     state_dict_type = staticmethod(_state_dict.state_dict_type)
@@ -375,18 +388,19 @@ class FullyShardedDataParallel(nn.Module):
         before scaling. Call it on the root, after backward, before the optimizer step.
         ``error_if_nonfinite`` (not in torch's FSDP1): a NaN or infinite norm raises on every rank
         before any gradient is scaled."""
-        _runtime.lazy_init(self)
-        if not self._is_root:
+        state = state_of(self)
+        root_state = state.root_state
+        if not state.is_root:
             raise RuntimeError(
                 f"fsdp1: clip_grad_norm_() should only be called on the root FSDP instance, but was called on "
-                f"the inner FSDP unit '{self._root_state.path_of(self)}'; call it on the model you run forward on, "
+                f"the inner FSDP unit '{state.path}'; call it on the model you run forward on, "
                 "which sees every unit's gradients."
             )
-        if any(unit.training_state is not TrainingState.IDLE for unit in self._root_state.units):
+        if any(unit.training_state is not TrainingState.IDLE for unit in root_state.units):
             raise RuntimeError("fsdp1: clip_grad_norm_() was called during forward or backward; call it after backward().")
-        for unit in self._root_state.units:
-            if unit._handle is not None:
-                unit._handle.write_back_orig_grads()  # a zero_grad() on the original parameters counts
+        for unit in root_state.units:
+            if unit.handle is not None:
+                unit.handle.grad.take_user_changes()  # a zero_grad() on the original parameters counts
         return _clip_grad.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
 
     def register_comm_hook(self, state: object, hook: Callable[..., object]) -> None:
@@ -396,25 +410,25 @@ class FullyShardedDataParallel(nn.Module):
         root, before the first forward."""
         if not callable(hook):
             raise ValueError(f"fsdp1: register_comm_hook needs a callable hook, got {type(hook).__name__}.")
-        _runtime.lazy_init(self)
-        if not self._is_root:
+        this = state_of(self)
+        units = this.root_state.units
+        if not this.is_root:
             raise AssertionError(
-                f"register_comm_hook can only be called on a root instance; '{self._root_state.path_of(self)}' "
+                f"register_comm_hook can only be called on a root instance; '{this.path}' "
                 "is an inner unit. Call it on the model you run forward on."
             )
-        units = self._root_state.units
         for unit in units:
             if unit.sharding_strategy in HYBRID_STRATEGIES:
                 raise AssertionError(
                     f"fsdp1: communication hooks are not supported for hybrid strategies (unit "
-                    f"'{self._root_state.path_of(unit)}' uses {unit.sharding_strategy}), as in torch's FSDP1."
+                    f"'{unit.path}' uses {unit.sharding_strategy}), as in torch's FSDP1."
                 )
-            if unit._handle is not None and unit._handle.has_comm_hook:
+            if unit.handle is not None and unit.handle.grad.comm_hook is not None:
                 raise AssertionError("A communication hook is already registered; register one hook, once, before training.")
         comm_hook = CommHook(hook, state, comm_hooks.is_low_precision_hook(hook))
         for unit in units:
-            if unit._handle is not None:
-                unit._handle.set_comm_hook(comm_hook)
+            if unit.handle is not None:
+                unit.handle.grad.comm_hook = comm_hook
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -423,19 +437,18 @@ class FullyShardedDataParallel(nn.Module):
         The first backward after the context reduces the accumulated sum. Unsharded gradients are
         kept meanwhile, so memory grows by one unsharded gradient per unit.
         """
-        _runtime.lazy_init(self)
-        if not self._is_root:
-            path = self._root_state.path_of(self)
+        state = state_of(self)
+        units = state.root_state.units
+        if not state.is_root:
             raise RuntimeError(
-                f"fsdp1: no_sync() was called on the inner FSDP unit '{path}'; it is only supported on "
+                f"fsdp1: no_sync() was called on the inner FSDP unit '{state.path}'; it is only supported on "
                 "the root unit. Call it on the model you run forward on: `with model.no_sync(): ...`."
             )
-        units = self._root_state.units
-        previous = [unit._sync_gradients for unit in units]
+        previous = [unit.sync_gradients for unit in units]
         for unit in units:
-            unit._sync_gradients = False
+            unit.sync_gradients = False
         try:
             yield
         finally:
             for unit, sync in zip(units, previous):
-                unit._sync_gradients = sync
+                unit.sync_gradients = sync

@@ -8,7 +8,7 @@ every rank skips the same steps. Gradients may be fp16 (``keep_low_precision_gra
 on the CPU while the scale lives on the accelerator (parameter offloading).
 """
 
-from typing import Iterable, Optional, Union
+from typing import Dict, Iterable, List, Optional, Tuple, Union, overload
 
 import torch
 
@@ -33,20 +33,36 @@ class ShardedGradScaler(torch.amp.GradScaler):
     ) -> None:
         super().__init__(device, init_scale=init_scale, backoff_factor=backoff_factor, growth_factor=growth_factor,
                          growth_interval=growth_interval, enabled=enabled)
-        self.process_group = process_group if process_group is not None else comm.default_group()
+        # Built before init_process_group (as Lightning's FSDP precision plugin does), it takes the
+        # default group when it first needs one.
+        self.process_group: Optional[comm.ProcessGroup] = (
+            process_group if process_group is not None or not comm.is_initialized() else comm.default_group()
+        )
+
+    @overload
+    def scale(self, outputs: torch.Tensor) -> torch.Tensor: ...
+
+    @overload
+    def scale(self, outputs: List[torch.Tensor]) -> List[torch.Tensor]: ...
+
+    @overload
+    def scale(self, outputs: Tuple[torch.Tensor, ...]) -> Tuple[torch.Tensor, ...]: ...
+
+    @overload
+    def scale(self, outputs: Iterable[torch.Tensor]) -> Iterable[torch.Tensor]: ...
 
     def scale(self, outputs: Union[torch.Tensor, Iterable[torch.Tensor]]) -> Union[torch.Tensor, Iterable[torch.Tensor]]:
         """The outputs multiplied by the scale, each in its own dtype (a bf16 or fp16 loss stays so;
         GradScaler's would promote it to float32)."""
-        scaled = super().scale(outputs)
         if isinstance(outputs, torch.Tensor):
-            return scaled.to(outputs.dtype)
+            return super().scale(outputs).to(outputs.dtype)
+        scaled = super().scale(outputs)
         if isinstance(outputs, (list, tuple)):
             return type(outputs)(s.to(o.dtype) for s, o in zip(scaled, outputs))
         return scaled
 
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor,
-                        allow_fp16: bool) -> dict:
+                        allow_fp16: bool) -> Dict[torch.device, torch.Tensor]:
         # fp16 gradients are the point of keep_low_precision_grads; unscaling them in place is what is asked.
         return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
 
@@ -59,10 +75,12 @@ class ShardedGradScaler(torch.amp.GradScaler):
         found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
         # One flag per rank, whatever devices its gradients are on (a rank may hold none), so that
         # every rank issues exactly one collective.
+        assert self._scale is not None  # GradScaler's unscale_ refuses to run before scale() made it
         combined = torch.zeros((), dtype=torch.float32, device=self._scale.device)
         for flag in found.values():
             combined += flag.to(combined.device).reshape(())
-        comm.all_reduce(combined, self.process_group).wait()
+        group = self.process_group if self.process_group is not None else comm.default_group()
+        comm.all_reduce(combined, group).wait()
         if not found:
             found[combined.device] = combined
         for flag in found.values():

@@ -16,9 +16,12 @@ wrap module that clients import (``_or_policy``, ``_module_wrap_policy``,
 import contextlib
 import copy
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Dict, Iterable, Iterator, Optional, Sequence, Set, Tuple, Type, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, Optional, Protocol, Sequence, Set, Tuple, Type, Union
 
 from torch import nn
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
 
 __all__ = [
     "always_wrap_policy",
@@ -138,15 +141,18 @@ def size_based_auto_wrap_policy(
     """Wrap a module once the numel not yet wrapped below it reaches ``min_num_params``. Modules of
     ``force_leaf_modules`` are not recursed into and those of ``exclude_wrap_modules`` never wrapped
     (defaults: the function's ``FORCE_LEAF_MODULES`` and ``EXCLUDE_WRAP_MODULES``, as torch's)."""
-    leaves = size_based_auto_wrap_policy.FORCE_LEAF_MODULES if force_leaf_modules is None else force_leaf_modules
-    excluded = size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES if exclude_wrap_modules is None else exclude_wrap_modules
+    defaults: Any = size_based_auto_wrap_policy  # its attributes, set below
+    leaves = defaults.FORCE_LEAF_MODULES if force_leaf_modules is None else force_leaf_modules
+    excluded = defaults.EXCLUDE_WRAP_MODULES if exclude_wrap_modules is None else exclude_wrap_modules
     if nonwrapped_numel < min_num_params:
         return False
     return not isinstance(module, tuple(leaves if recurse else excluded))
 
 
-size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES = {nn.ModuleList, nn.ModuleDict}  # type: ignore[attr-defined]
-size_based_auto_wrap_policy.FORCE_LEAF_MODULES = {nn.MultiheadAttention}  # type: ignore[attr-defined]
+# Attributes of the function, as torch's: read at each call, so a client may change them (setattr: mypy
+# does not type attributes of a function).
+setattr(size_based_auto_wrap_policy, "EXCLUDE_WRAP_MODULES", {nn.ModuleList, nn.ModuleDict})
+setattr(size_based_auto_wrap_policy, "FORCE_LEAF_MODULES", {nn.MultiheadAttention})
 
 
 class _ManualWrapContext:
@@ -209,13 +215,22 @@ def plan_auto_wrap(
     return planned
 
 
-def _is_policy_object(policy: Any) -> bool:
+class _PolicyObject(Protocol):
+    """What the planner asks of a policy object: fsdp1's ``_Policy``, or torch's."""
+
+    def _run_policy(
+        self, root_module: nn.Module, ignored_modules: Set[nn.Module], root_kwargs: Dict[str, Any]
+    ) -> Dict[nn.Module, Dict[str, Any]]: ...
+
+
+def _is_policy_object(policy: Any) -> "TypeIs[_PolicyObject]":
     """fsdp1's ``_Policy``, or torch's (same ``_run_policy``), so that a client's
     ``torch.distributed.fsdp.wrap.CustomPolicy`` plans under ``use_as_torch_fsdp`` as under torch."""
     return isinstance(policy, _Policy) or callable(getattr(policy, "_run_policy", None))
 
 
-def _plan_legacy(module, policy, ignored_modules, ignored_ids, planned, root_kwargs, may_wrap) -> int:
+def _plan_legacy(module: nn.Module, policy: Callable[..., bool], ignored_modules: Set[nn.Module], ignored_ids: Set[int],
+                 planned: Dict[nn.Module, Dict[str, Any]], root_kwargs: Dict[str, Any], may_wrap: bool) -> int:
     """Numel that ``module`` contributes to units planned at or below it (legacy recursion);
     ``module`` itself is planned only if ``may_wrap``."""
     nonwrapped_numel = sum(p.numel() for p in module.parameters() if id(p) not in ignored_ids)

@@ -2,7 +2,9 @@
 (README's reliability cases R and H): a hang, a crash, a desync. The rank pool cannot serve them, since its group
 would be reused after the break. Each job runs a test's script body after a preamble that joins a
 gloo group with a short timeout; each rank ``report()``s what it saw to a JSON file. A hang is killed
-whole at the deadline and counted, and the test checks that no process outlived the job.
+whole at the deadline and counted, and the test checks that no process outlived the job. The body
+may import the tests' helpers (``_models``): tests/ is on the job's ``PYTHONPATH`` under torchrun,
+and forked ranks inherit this process's import path, where pytest put tests/.
 """
 
 import json
@@ -22,7 +24,6 @@ PREAMBLE = '''\
 import datetime, json, os, sys, time, traceback
 import torch, torch.distributed as dist
 from torch import nn
-sys.path.insert(0, {tests!r})
 import fsdp1
 FSDP = fsdp1.FullyShardedDataParallel
 torch.set_num_threads(1)
@@ -58,14 +59,16 @@ def run_job(tmp_path: Path, body: str, nproc: int = 2, torchrun: bool = True, ti
     out = tmp_path / f"job-{time.monotonic_ns()}"
     out.mkdir()
     script = out / "job.py"
-    script.write_text(PREAMBLE.format(tests=str(Path(__file__).parent), out=str(out), pg_timeout_s=pg_timeout_s)
+    script.write_text(PREAMBLE.format(out=str(out), pg_timeout_s=pg_timeout_s)
                       + textwrap.dedent(body))
     if not torchrun:
         return _forked(script, out, nproc, timeout_s, env or {})
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                *torchrun_args, str(script)]
     start = time.monotonic()
-    proc = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})},
+    pythonpath = os.pathsep.join([str(Path(__file__).parent), *filter(None, [os.environ.get("PYTHONPATH")])])
+    proc = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                                          "PYTHONPATH": pythonpath, **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     timed_out = False
     try:

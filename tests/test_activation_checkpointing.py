@@ -4,8 +4,6 @@ around a whole unit. Each trains exactly as the same model without checkpointing
 lowers peak memory, counted exactly (``LiveStorageTracker``) as rank 0 of a fake process group."""
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,10 +16,8 @@ from torch.utils.checkpoint import checkpoint
 
 from _harness import run_on_ranks
 from _models import fsdp1_full_params, max_relative_error, plain_params, relative_errors, wrap_fsdp1
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from live_memory import LiveStorageTracker  # noqa: E402
-from memory_estimator import fake_process_group  # noqa: E402
+from tools.live_memory import LiveStorageTracker
+from tools.memory_estimator import fake_process_group
 
 D, HIDDEN, LAYERS = 12, 53, 3
 FORMS = ["inside", "inside_reentrant", "apply_activation_checkpointing", "around_unit", "none"]

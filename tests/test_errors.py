@@ -1,18 +1,24 @@
 """Tests the exact text users see for bad input (pinned with expecttest): each error names the clean
 parameter or module path, never ``_fsdp_wrapped_module.``, and says how to fix it. A failed
-constructor leaves the module exactly as it was. Also pins the printed structure of a wrapped model."""
+constructor leaves the module exactly as it was. Also pins the printed structure of a wrapped model.
+An exception in forward (through the root or a nested unit) or in backward leaves training as if it
+never happened, against DDP."""
 
+import copy
 import functools
 
 import expecttest
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsdp1
 
 from _harness import run_on_ranks
+from _models import fsdp1_full_params, make_mlp, max_relative_error, mlp_input, plain_params, relative_errors, wrap_fsdp1
 
 FSDP = fsdp1.FullyShardedDataParallel
 LinearPolicy = fsdp1.wrap.ModuleWrapPolicy({nn.Linear})
@@ -289,3 +295,67 @@ FullyShardedDataParallel(
     )
   )
 )""")
+
+
+# ---------------------------------------------------------------------------------------------- exception mid-step
+class _FailInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise ValueError("deliberate failure in backward")
+
+
+class _MaybeFails(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = make_mlp()
+        self.fail_in_backward = False
+
+    def forward(self, x):
+        x = self.net[0](x)
+        if self.fail_in_backward:
+            x = _FailInBackward.apply(x)
+        return self.net[2](self.net[1](x))
+
+
+def _exception_mid_step(strategy, use_orig_params, where):
+    base = _MaybeFails()
+    ours = wrap_fsdp1(copy.deepcopy(base), strategy, use_orig_params, wrap_classes=[nn.Linear])
+    ddp = DDP(copy.deepcopy(base))
+    losses, errors = [], []
+    for model in (ours, ddp):
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+        losses.append([])
+        for step in range(4):
+            if step == 1 and where == "backward" and model is ours:  # DDP cannot go on after this one
+                model.module.fail_in_backward = True
+                try:
+                    model(mlp_input(9)).sum().backward()
+                except ValueError as error:
+                    errors.append(type(error).__name__)
+                model.module.fail_in_backward = False
+            loss = model(mlp_input(step)).square().mean()
+            loss.backward()
+            if step == 1 and where in ("forward", "nested unit"):
+                # A float64 input fails inside the first unit, reached through the root or directly.
+                called = model if where == "forward" else model.module.net[0]
+                try:
+                    called(mlp_input(9, dtype=torch.float64))
+                except RuntimeError as error:
+                    errors.append(type(error).__name__)
+            optim.step()
+            optim.zero_grad()
+            losses[-1].append(loss.item())
+    return errors, losses, max_relative_error(fsdp1_full_params(ours), plain_params(ddp))
+
+
+@pytest.mark.parametrize("where", ["forward", "nested unit", "backward"])
+@pytest.mark.parametrize("use_orig_params", [False, True])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+def test_training_goes_on_after_an_exception_as_if_it_never_happened(strategy, use_orig_params, where):
+    for errors, (ours, ddp), error in run_on_ranks(2, _exception_mid_step, strategy, use_orig_params, where):
+        assert errors == (["ValueError"] if where == "backward" else ["RuntimeError", "RuntimeError"])
+        assert relative_errors(ours, ddp) <= 1e-5 and error <= 1e-5

@@ -1,38 +1,42 @@
 """Tests units that mix frozen and trainable parameters with ``use_orig_params=True`` (fine-tuning part
 of a block, LoRA-style): they train as DDP does, also after unfreezing part of a unit, and the frozen
 parameters cost no gradient memory (torch's FSDP1 keeps a gradient over the whole shard,
-pytorch#104690). Without use_orig_params such a unit is refused (tests/test_errors.py)."""
+pytorch#104690). Without use_orig_params such a unit is refused (tests/test_errors.py). Also: frozen
+parameters keep their values and a None gradient, and units frozen whole at wrap time train after
+unfreezing."""
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsdp1
 
 from _harness import run_on_ranks
 from _models import (
+    assert_losses_equal,
     batch,
+    build,
     fsdp1_full_params,
     lm_loss,
     make_gpt,
     max_relative_error,
     plain_params,
     relative_errors,
+    seeded_randn,
     sgd,
+    step_pair,
     train,
     wrap_fsdp1,
     wrap_torch_fsdp,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from memory_estimator import fake_process_group  # noqa: E402
+from tools.memory_estimator import fake_process_group
 
 STEPS, TOLERANCE = 4, 1e-5
+STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
 
 
 def _freeze_part_of_every_unit(model):
@@ -111,7 +115,7 @@ def _gradient_memory(wrap, world_size, rank):
         model = wrap(_freeze_part_of_every_unit(make_gpt()), "FULL_SHARD", use_orig_params=True)
         lm_loss(model, *batch(0, rank, world_size)).backward()
         units = (TorchFSDP if wrap is wrap_torch_fsdp else fsdp1.FullyShardedDataParallel).fsdp_modules(model)
-        spans = [unit._handle._grad_span for unit in units if wrap is wrap_fsdp1 and unit._handle is not None]
+        spans = [unit._handle.grad.span for unit in units if wrap is wrap_fsdp1 and unit._handle is not None]
         return _gradient_bytes(model, units), sum(hi - lo for lo, hi in spans) * 4
 
 
@@ -126,3 +130,68 @@ def test_frozen_parameters_cost_no_gradient_memory(world_size):
     # use_orig_params aligns every parameter to 16 bytes
     assert sum(trainable) <= total <= sum(trainable) + 16 * len(trainable), (total, sum(trainable))
     assert total < 0.75 * theirs, (total, theirs)
+
+
+# ---------------------------------------------------------------------------------------------- frozen values
+def _frozen(strategy):
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
+    base[0].weight.requires_grad_(False)
+    base[2].bias.requires_grad_(False)
+    frozen_before = {n: p.detach().clone() for n, p in base.named_parameters() if not p.requires_grad}
+    ours = wrap_fsdp1(copy.deepcopy(base), strategy, use_orig_params=True, wrap_classes=())
+    ddp = DDP(copy.deepcopy(base))
+    losses = step_pair(ours, ddp, seeded_randn(3, 5))
+    params = fsdp1_full_params(ours)
+    grads = {n: p.grad for n, p in ours.named_parameters() if not p.requires_grad}
+    return (
+        losses,
+        max_relative_error(params, plain_params(ddp)),
+        {n: torch.equal(params[n], frozen_before[n]) for n in frozen_before},
+        {n: g is None for n, g in grads.items()},
+    )
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_frozen_params_next_to_trainable_ones_with_use_orig_params(strategy):
+    for losses, error, unchanged, grad_is_none in run_on_ranks(2, _frozen, strategy):
+        assert_losses_equal(losses)
+        assert error <= 1e-5
+        assert unchanged == {"0.weight": True, "2.bias": True}
+        assert grad_is_none == {"_fsdp_wrapped_module.0.weight": True, "_fsdp_wrapped_module.2.bias": True}
+
+
+# ---------------------------------------------------------------------------------------------- unfreezing
+def _unfreeze(strategy, use_orig_params):
+    """Blocks frozen at wrap time, unfrozen after two SGD steps; against one process over the global
+    batch doing the same (DDP cannot unfreeze a parameter after construction)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    base = make_gpt()
+    for block in base.blocks:
+        block.requires_grad_(False)
+    ours = build(base, lambda m: wrap_fsdp1(m, strategy, use_orig_params))
+    single = copy.deepcopy(base)
+    ours_losses, single_losses = [], []
+    for model, losses, global_batch in ((ours, ours_losses, False), (single, single_losses, True)):
+        optim = torch.optim.SGD(model.parameters(), lr=0.5)
+        for step in range(5):
+            if step == 2:
+                model.requires_grad_(True)
+            parts = [batch(step, r, world_size) for r in (range(world_size) if global_batch else [rank])]
+            loss = lm_loss(model, torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]))
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            losses.append(loss.item())
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, ours_losses)
+    mean_losses = [sum(r[step] for r in gathered) / world_size for step in range(5)]
+    return mean_losses, single_losses, max_relative_error(fsdp1_full_params(ours), plain_params(single))
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_unit_frozen_at_wrap_time_trains_after_unfreezing(strategy, use_orig_params):
+    for mean_losses, single_losses, error in run_on_ranks(2, _unfreeze, strategy, use_orig_params):
+        assert relative_errors(mean_losses, single_losses) <= TOLERANCE
+        assert error <= TOLERANCE

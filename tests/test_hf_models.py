@@ -6,8 +6,6 @@ encoder and a decoder with relative attention bias (T5), buffers (BERT's ``token
 sizes (every dimension below is prime or not a multiple of the world size) and a vision model (ViT)."""
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,10 +22,9 @@ from _models import (
     wrap_fsdp1,
     wrap_torch_fsdp,
 )
+from tools.live_memory import LiveStorageTracker
 
 transformers = pytest.importorskip("transformers")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from live_memory import LiveStorageTracker  # noqa: E402
 
 VOCAB, STEPS, TOLERANCE = 61, 3, 1e-5
 FAMILIES = ["gpt2", "llama_tied", "llama", "bert", "t5", "vit"]

@@ -12,15 +12,19 @@ PACKAGE = Path(__file__).resolve().parent.parent / "fsdp1"
 LAYERS = [
     ["api"],
     ["_common", "_shard_math", "_traversal", "_device", "_collectives", "_placeholder", "wrap"],
-    ["_redistribute", "comm_hooks", "sharded_grad_scaler", "checkpoint"],
-    ["_shard_conversions"],
+    ["_redistribute", "comm_hooks", "sharded_grad_scaler", "checkpoint", "_mixed_precision"],
+    ["_layout"],
+    ["_shard_conversions", "_views"],
+    ["_flat_grad"],
     ["_flat_param"],
-    ["_mixed_precision"],
-    ["_init"],
+    ["_process_groups", "_unit_plan"],
+    ["_initial_values"],
     ["_runtime", "_clip_grad"],
+    ["_unit_state"],
     ["_unshard"],
-    ["_state_dict"],
+    ["_state_dict", "_optim_params"],
     ["_optim_state_dict"],
+    ["_optim_state_dict_api"],
     ["fully_sharded_data_parallel"],
     ["_torch_alias"],
     ["__init__"],
@@ -28,11 +32,11 @@ LAYERS = [
 
 # (module, imported): annotations of a class defined above the module that uses it.
 UPWARD_ANNOTATIONS = {
-    ("_flat_param", "_mixed_precision"): "HandlePrecision, the handle's precision",
     ("_clip_grad", "fully_sharded_data_parallel"): "the unit class",
-    ("_runtime", "fully_sharded_data_parallel"): "the unit class, whose hooks these are",
+    ("_runtime", "_unit_state"): "the units' state, which the root's shared state lists",
     ("_state_dict", "fully_sharded_data_parallel"): "the unit class",
     ("_optim_state_dict", "fully_sharded_data_parallel"): "the unit class",
+    ("_optim_params", "fully_sharded_data_parallel"): "the unit class, whose parameters the optimizer holds",
 }
 
 

@@ -6,18 +6,22 @@ Both run as rank 0 of a fake process group, whose collectives complete synchrono
 finished collective's worker thread can keep its tensors alive a moment after ``wait()`` returns
 (a tiny model's whole optimizer step can fit in that moment), which would make an exact count
 depend on thread scheduling.
+
+Also (by weak references, not counts): a deleted model is freed, and wrapping frees the original
+parameters' storage on every rank of a real gloo group, as torch's FSDP1 does.
 """
 
 import copy
-import sys
-from pathlib import Path
+import gc
+import weakref
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from memory_estimator import estimate, fake_process_group, measure  # noqa: E402
-from workload import VARIANTS, GPTSize  # noqa: E402
+from _harness import run_on_ranks
+from _models import make_gpt, wrap_fsdp1, wrap_torch_fsdp
+from tools.memory_estimator import estimate, fake_process_group, measure
+from tools.workload import VARIANTS, GPTSize
 
 pytestmark = pytest.mark.filterwarnings("ignore:The `NO_SHARD` sharding strategy is deprecated:FutureWarning")
 
@@ -70,8 +74,8 @@ def _state_dict_memory(implementation, kind, rank, world_size):
     returned dict; plus the largest unit's unsharded bytes."""
     import fsdp1
 
-    from live_memory import LiveStorageTracker
-    from workload import Block
+    from tools.live_memory import LiveStorageTracker
+    from tools.workload import Block
 
     with fake_process_group(world_size, rank=rank), LiveStorageTracker() as tracker:
         torch.manual_seed(0)
@@ -115,8 +119,8 @@ def test_loading_a_full_optimizer_state_dict_holds_nothing_beyond_the_result(use
     # torch's FSDP1 holds more (pytorch#110479): 4.5 MiB beyond the result on the benchmark model, 2 ranks
     import fsdp1
 
-    from live_memory import LiveStorageTracker
-    from workload import Block
+    from tools.live_memory import LiveStorageTracker
+    from tools.workload import Block
 
     with fake_process_group(2, rank=1), LiveStorageTracker() as tracker:
         torch.manual_seed(0)
@@ -145,9 +149,6 @@ def test_a_deleted_model_is_freed(variant):
     """The hooks a unit leaves on its flat parameter and on autograd nodes, which the garbage
     collector cannot look into, hold it weakly: once trained and deleted, no unit, parameter or
     storage of the model stays alive (before, every model ever built stayed in memory)."""
-    import gc
-    import weakref
-
     with fake_process_group(2):
         torch.manual_seed(0)
         model = VARIANTS[variant](SMALL.make_model(), torch.device("cpu"))
@@ -161,3 +162,25 @@ def test_a_deleted_model_is_freed(variant):
         del model, optim
         gc.collect()
         assert [ref for ref in refs if ref() is not None] == []
+
+
+# ---------------------------------------------------------------------------------------------- original storage
+def _original_storage_alive(strategy, use_orig_params):
+    """Bytes of the original parameters' storages still alive after wrapping, for fsdp1 and torch."""
+    alive = []
+    for wrap in (wrap_fsdp1, wrap_torch_fsdp):
+        model = make_gpt()
+        storages = [weakref.ref(p.untyped_storage()) for p in model.parameters()]
+        wrapped = wrap(model, strategy, use_orig_params)
+        gc.collect()
+        alive.append(sum(ref().nbytes() for ref in storages if ref() is not None))
+        del wrapped
+    return alive
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+def test_wrapping_frees_the_original_parameter_storage(strategy, use_orig_params):
+    # A rank keeps only its shard: nothing of the unflattened parameters survives, as with torch.
+    for ours, theirs in run_on_ranks(2, _original_storage_alive, strategy, use_orig_params):
+        assert ours == theirs == 0

@@ -1,11 +1,11 @@
 """Tests deferred initialisation: a model built on the meta device is materialised unit by
 unit (``reset_parameters`` or the user's ``param_init_fn``) exactly as torch's FSDP1 does it, never
 holding more than one unit unsharded; ``sync_module_states`` makes rank 0's values win, including
-the pattern where only rank 0 builds real weights and the others build on the meta device."""
+the pattern where only rank 0 builds real weights and the others build on the meta device. And
+initialisation after wrapping: ``apply(init_fn)`` sees full parameters and trains as the plain model
+initialised alike, and a parameter read outside forward is the rank's shard or a named error."""
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,18 +21,20 @@ from _models import (
     VOCAB,
     Block,
     fsdp1_full_params,
+    make_mlp,
     max_relative_error,
     plain_params,
     relative_errors,
     torch_fsdp_full_params,
     train,
+    train_each,
+    wrap_fsdp1,
 )
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from live_memory import LiveStorageTracker  # noqa: E402
-from memory_estimator import fake_process_group  # noqa: E402
+from tools.live_memory import LiveStorageTracker
+from tools.memory_estimator import fake_process_group
 
 FSDP = fsdp1.FullyShardedDataParallel
+TOLERANCE = 1e-5
 POLICY_CLASSES = {Block}
 
 
@@ -80,8 +82,8 @@ def construction_peak(world_size=8):
     with fake_process_group(world_size), LiveStorageTracker() as tracker:
         model = _wrap(meta_model)
         handles = [u._handle for u in FSDP.fsdp_modules(model) if u._handle is not None]
-        shards = sum(h._local_shard.nbytes for h in handles)
-        largest_unit = max(h._padded_numel * h._local_shard.element_size() for h in handles)
+        shards = sum(h.local_shard.nbytes for h in handles)
+        largest_unit = max(h.layout.unsharded_numel * h.local_shard.element_size() for h in handles)
         return tracker.peak, shards, largest_unit
 
 
@@ -149,6 +151,44 @@ def test_sync_module_states_broadcasts_on_the_compute_device(use_orig_params):
     [(ours, theirs, devices)] = run_on_ranks(1, _synced_on_the_gpu, use_orig_params)
     assert devices == {"cuda"} and ours.keys() == theirs.keys()
     assert all(torch.equal(ours[name], theirs[name]) for name in ours)
+
+
+# ---------------------------------------------------------------------------------------------- after wrapping
+def _init_fn(module):
+    if isinstance(module, nn.Linear):
+        nn.init.xavier_uniform_(module.weight)
+        nn.init.constant_(module.bias, 0.25)
+
+
+def _apply_then_train(strategy, use_orig_params):
+    base = make_mlp()
+    ours = wrap_fsdp1(copy.deepcopy(base), strategy, use_orig_params, wrap_classes=[nn.Linear])
+    shapes = []
+    ours.apply(lambda m: shapes.append(tuple(m.weight.shape)) if isinstance(m, nn.Linear) else None)
+    torch.manual_seed(7)
+    ours.apply(_init_fn)
+    torch.manual_seed(7)
+    plain = copy.deepcopy(base).apply(_init_fn)
+    ddp = DDP(plain)
+    losses = train_each((ours, ddp))
+    read = None
+    try:
+        ours.module[0].weight.sum()
+    except RuntimeError as error:
+        read = str(error)
+    return shapes, losses, max_relative_error(fsdp1_full_params(ours), plain_params(ddp)), read
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+def test_apply_gathers_full_parameters_and_reads_outside_forward_never_crash(strategy, use_orig_params):
+    for shapes, (ours, ddp), error, read in run_on_ranks(2, _apply_then_train, strategy, use_orig_params):
+        assert shapes == [(7, 5), (3, 7)]  # the initialiser saw full shapes
+        assert relative_errors(ours, ddp) <= TOLERANCE and error <= TOLERANCE
+        if use_orig_params or strategy == "NO_SHARD":
+            assert read is None  # the rank's shard (or the whole parameter) is readable
+        else:
+            assert "'0.weight' is sharded across the ranks" in read and "summon_full_params" in read
 
 
 # ---------------------------------------------------------------------------------------------- bad input

@@ -2,7 +2,9 @@
 losses and parameters bit for bit (bf16 and fp16, every strategy, both use_orig_params), and each
 field on its own with a check that fails if fsdp1 ignored it: the dtype the units compute in,
 reduce in, hand the optimizer, cast inputs and buffers to, BatchNorm's full-precision units,
-full-precision evaluation, and full-precision state dicts and ``summon_full_params``."""
+full-precision evaluation, and full-precision state dicts and ``summon_full_params``. Also the dtype
+changed without ``MixedPrecision``: ``.to(torch.float64)`` or ``.double()`` after wrapping, before or
+after a step, trains as the plain model converted alike."""
 
 import copy
 import os
@@ -18,15 +20,21 @@ import fsdp1
 
 from _harness import run_on_ranks
 from _models import (
+    AveragedGrads,
     Block,
     batch,
     fsdp1_full_params,
     lm_loss,
     make_gpt,
+    make_mlp,
     max_relative_error,
+    plain_params,
+    relative_errors,
     sgd,
     torch_fsdp_full_params,
     train,
+    train_each,
+    wrap_fsdp1,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
@@ -396,3 +404,34 @@ def test_a_dtype_that_is_not_floating_point_is_refused_naming_the_field(field, v
 
     with pytest.raises(ValueError, match=f"MixedPrecision.{field}=.*floating-point torch.dtype"):
         checked_precision(fsdp1.MixedPrecision(**{field: value}))
+
+
+# ------------------------------------------------------------------------------ .to(dtype) after wrapping
+def _convert_after_wrapping(strategy, use_orig_params, conversion, trained_before):
+    """Convert to float64 right after wrapping, or after a float32 step whose gradients were zeroed
+    (they must stay zeroed); against a plain model doing the same, its gradients averaged by hand."""
+    base = make_mlp()
+    ours = wrap_fsdp1(copy.deepcopy(base), strategy, use_orig_params, wrap_classes=[nn.Linear])
+    oracle = AveragedGrads(copy.deepcopy(base))
+    if trained_before:
+        train_each((ours, oracle), steps=1)
+    for model in (ours, oracle):
+        if conversion == "to":
+            model.to(torch.float64)
+        else:
+            model.double()
+    losses = train_each((ours, oracle), dtype=torch.float64)
+    dtypes = sorted({str(p.dtype) for p in ours.parameters()} | {str(g.dtype) for g in fsdp1_full_params(ours).values()})
+    return dtypes, losses, max_relative_error(fsdp1_full_params(ours), plain_params(oracle.module))
+
+
+@pytest.mark.parametrize("trained_before", [False, True])
+@pytest.mark.parametrize("conversion", ["to", "double"])
+@pytest.mark.parametrize("use_orig_params", [False, True])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+def test_converting_the_dtype_after_wrapping(strategy, use_orig_params, conversion, trained_before):
+    for dtypes, (ours, oracle), error in run_on_ranks(
+        2, _convert_after_wrapping, strategy, use_orig_params, conversion, trained_before
+    ):
+        assert dtypes == ["torch.float64"]
+        assert relative_errors(ours, oracle) <= 1e-12 and error <= 1e-12

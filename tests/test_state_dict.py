@@ -2,7 +2,8 @@
 ``state_dict()`` (keys, order, values) and torch's FSDP1 trained identically (bitwise); round trips;
 sharded checkpoints through ``torch.distributed.checkpoint`` resharded across world sizes, strategies
 and wrappings; checkpoints exchanged with torch's FSDP1 both ways; torch's own enums and configs;
-and loads that fail, which must change nothing."""
+and loads that fail, which must change nothing; ``summon_full_params`` and its options, also after a
+forward that no backward followed."""
 
 import copy
 
@@ -17,13 +18,29 @@ from fsdp1 import FullyShardedDataParallel as FSDP
 from fsdp1 import StateDictType
 
 from _harness import run_on_ranks
-from _models import Block, fsdp1_full_params, make_gpt, make_tied_gpt, train, wrap_fsdp1, wrap_torch_fsdp
+from _models import (
+    Block,
+    batch,
+    build,
+    fsdp1_full_params,
+    lm_loss,
+    make_gpt,
+    make_tied_gpt,
+    max_relative_error,
+    plain_params,
+    relative_errors,
+    train,
+    wrap_fsdp1,
+    wrap_torch_fsdp,
+)
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:The `NO_SHARD` sharding strategy is deprecated:FutureWarning",
     "ignore::FutureWarning",
 )
 STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
+SHARDED = ["FULL_SHARD", "SHARD_GRAD_OP"]
+TOLERANCE = 1e-5
 
 
 def _trained(strategy="FULL_SHARD", use_orig_params=False, tied=True, steps=1, wrap_classes=(Block,)):
@@ -421,8 +438,6 @@ def test_hugging_face_models_round_trip_full_and_sharded(tmp_path, name, use_ori
 def _summon_options(use_orig_params):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from _models import batch, lm_loss
-
     rank, world = dist.get_rank(), dist.get_world_size()
     base = make_tied_gpt()
     model = wrap_fsdp1(copy.deepcopy(base), "FULL_SHARD", use_orig_params)
@@ -472,6 +487,35 @@ def test_summon_full_params_options(use_orig_params):
         assert stepped_ok
         assert edited_ok  # in-place edits are written back even when the body raises; the state is restored
         assert "writeback=True, rank0_only=True" in refused
+
+
+def _summon_after_a_forward_without_backward(strategy, use_orig_params):
+    """backward, a metric forward with grad enabled (no backward for it), step, then
+    summon_full_params: it must show the stepped values, and its writeback must keep them."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    base = make_gpt()
+    ours, ddp = build(base, lambda m: wrap_fsdp1(m, strategy, use_orig_params)), build(base, DDP)
+    for model in (ours, ddp):
+        optim = torch.optim.SGD(model.parameters(), lr=0.5)
+        lm_loss(model, *batch(0, rank, world_size)).backward()
+        lm_loss(model, *batch(50, rank, world_size))
+        optim.step()
+        optim.zero_grad()
+    with FSDP.summon_full_params(ours):
+        summoned = {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for n, p in ours.named_parameters()}
+    summon_error = max_relative_error(summoned, plain_params(ddp))
+    losses = [train(m, 2, world_size, rank, make_optim=lambda ps: torch.optim.SGD(ps, lr=0.5)) for m in (ours, ddp)]
+    return summon_error, losses, max_relative_error(fsdp1_full_params(ours), plain_params(ddp))
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+@pytest.mark.parametrize("strategy", SHARDED)
+def test_summon_full_params_after_a_forward_that_no_backward_followed(strategy, use_orig_params):
+    for summon_error, (ours, ddp), error in run_on_ranks(2, _summon_after_a_forward_without_backward, strategy, use_orig_params):
+        assert summon_error <= TOLERANCE  # the stepped values, not those gathered before the step
+        assert relative_errors(ours, ddp) <= TOLERANCE and error <= TOLERANCE
 
 
 # ---------------------------------------------------------------------------------------- offline tool

@@ -1,6 +1,8 @@
 """Tests weights tied across units (pytorch#77724): an embedding tied to the output head, each matched
 by the policy into its own unit, trains exactly as DDP. The planner gives the tied parameter to the
-closest unit that holds every module using it; torch's FSDP1 cannot wrap these models this way."""
+closest unit that holds every module using it; torch's FSDP1 cannot wrap these models this way.
+Also a weight tied inside one unit (the root: the embedding and the head, or a third user) trains
+bitwise as torch's FSDP1 and as DDP, its gradients summed over every use."""
 
 import copy
 
@@ -17,17 +19,60 @@ from _models import (
     D_MODEL,
     VOCAB,
     Block,
+    build,
     fsdp1_full_params,
     make_tied_gpt,
     max_relative_error,
     plain_params,
     relative_errors,
+    torch_fsdp_full_params,
     train,
+    wrap_fsdp1,
+    wrap_torch_fsdp,
 )
 
 STEPS, TOLERANCE = 4, 1e-5
+STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
 
 
+# ---------------------------------------------------------------------------------------------- tied in one unit
+def _tied_in_the_root_unit(strategy, use_orig_params, ways):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    base = make_tied_gpt(ways)
+    ours = build(base, lambda m: wrap_fsdp1(m, strategy, use_orig_params))
+    theirs = build(base, lambda m: wrap_torch_fsdp(m, strategy, use_orig_params))
+    ddp = build(base, DDP)
+    n_params = len(list(ours.parameters())), len(list(theirs.parameters()))
+    losses = [train(m, 4, world_size, rank) for m in (ours, theirs, ddp)]
+    params = fsdp1_full_params(ours)
+    # Shared names come back once, as torch's summon shows them: compare the names both have.
+    theirs_params = torch_fsdp_full_params(theirs)
+    params = {n: params[n] for n in theirs_params}
+    return n_params, losses, max_relative_error(params, theirs_params), max_relative_error(params, plain_params(ddp))
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("use_orig_params", [False, True])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_tied_embedding_and_head_train_like_torch_fsdp1_and_ddp(strategy, use_orig_params, world_size):
+    for n_params, (ours, theirs, ddp), torch_error, ddp_error in run_on_ranks(
+        world_size, _tied_in_the_root_unit, strategy, use_orig_params, 2
+    ):
+        assert n_params[0] == n_params[1]  # the shared weight appears once in parameters()
+        assert ours == theirs and torch_error == 0.0  # bitwise
+        assert relative_errors(ours, ddp) <= TOLERANCE and ddp_error <= TOLERANCE
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_a_weight_shared_three_ways_sums_all_three_gradients(use_orig_params):
+    for _, (ours, theirs, ddp), torch_error, ddp_error in run_on_ranks(
+        2, _tied_in_the_root_unit, "FULL_SHARD", use_orig_params, 3
+    ):
+        assert ours == theirs and torch_error == 0.0
+        assert relative_errors(ours, ddp) <= TOLERANCE and ddp_error <= TOLERANCE
+
+
+# ---------------------------------------------------------------------------------------------- tied across units
 def _policy(*modules, classes=()):
     """Wrap exactly ``modules`` and instances of ``classes``."""
     chosen = {id(m) for m in modules}

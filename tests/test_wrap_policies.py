@@ -1,6 +1,7 @@
 """Tests that every auto-wrap policy of ``fsdp1.wrap`` (and ``enable_wrap``/``wrap``) makes exactly the
 units torch's makes, with the same per-unit kwargs, on a transformer, a CNN with BatchNorm and nested
-``ModuleList``s, and a Hugging Face GPT-2; and that the wrapped models train bitwise like torch's."""
+``ModuleList``s, and a Hugging Face GPT-2; and that the wrapped models train bitwise like torch's. A unit
+wrapped around a unit by hand (``FSDP(FSDP(m))``) trains exactly as one wrap does."""
 
 import functools
 
@@ -10,15 +11,29 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 from torch.distributed.fsdp import wrap as torch_wrap
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsdp1
 from fsdp1 import wrap as fsdp1_wrap
 from fsdp1._traversal import clean_fqn
 
 from _harness import run_on_ranks
-from _models import Block, batch, lm_loss, make_gpt
+from _models import (
+    Block,
+    batch,
+    build,
+    fsdp1_full_params,
+    lm_loss,
+    make_gpt,
+    max_relative_error,
+    plain_params,
+    relative_errors,
+    train,
+    wrap_fsdp1,
+)
 
 POLICIES = ["always", "lambda", "transformer", "size_based", "module", "custom"]
+TOLERANCE = 1e-5
 
 
 class ConvBlock(nn.Module):
@@ -182,3 +197,23 @@ def test_nested_enable_wrap_is_refused():
             with fsdp1_wrap.enable_wrap(wrapper_cls=fsdp1.FullyShardedDataParallel):
                 pass
     assert fsdp1_wrap.wrap(nn.Linear(1, 1)).__class__ is nn.Linear  # the context is gone
+
+
+# ---------------------------------------------------------------------------------------------- FSDP(FSDP(m))
+def _wrap_twice_nested(strategy, use_orig_params):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    base = make_gpt()
+    nested = build(base, lambda m: fsdp1.FullyShardedDataParallel(
+        wrap_fsdp1(m, strategy, use_orig_params), sharding_strategy=fsdp1.ShardingStrategy[strategy],
+        use_orig_params=use_orig_params))
+    once, ddp = build(base, lambda m: wrap_fsdp1(m, strategy, use_orig_params)), build(base, DDP)
+    losses = [train(m, 4, world_size, rank) for m in (nested, once, ddp)]
+    return losses, max_relative_error(fsdp1_full_params(nested), plain_params(ddp))
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
+def test_a_unit_around_a_unit_trains_like_one_wrap(strategy, use_orig_params):
+    for (nested, once, ddp), error in run_on_ranks(2, _wrap_twice_nested, strategy, use_orig_params):
+        assert nested == once
+        assert relative_errors(nested, ddp) <= TOLERANCE and error <= TOLERANCE

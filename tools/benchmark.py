@@ -1,8 +1,10 @@
 """Side-by-side benchmark: fsdp1 against torch's FSDP1, torch's FSDP2 and DDP on one GPT model.
 
-    python tools/benchmark.py                     # 2 gloo ranks on CPU, about a minute and a half
-    python tools/benchmark.py --variants local fsdp1_full torch_fsdp1_full --rounds 8
-    python tools/benchmark.py --device cuda       # NCCL, one rank per GPU
+    python -m tools.benchmark                     # 2 gloo ranks on CPU, about a minute and a half
+    python -m tools.benchmark --variants local fsdp1_full torch_fsdp1_full --rounds 8
+    python -m tools.benchmark --device cuda       # NCCL, one rank per GPU
+
+Run it from the repository root, where the ``tools`` and ``examples`` packages are.
 
 Every variant is built in the same processes and timed in interleaved rounds (the order rotates
 each round, a barrier precedes each step), next to ``local`` (the model alone, no collectives, run
@@ -37,8 +39,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memory_estimator import ESTIMATED, estimate, fake_process_group, measure
-from workload import ANCHOR, CPU_ANCHOR, CUDA_ONLY, VARIANTS, GPTSize, make_optimizer
+from tools.memory_estimator import ESTIMATED, estimate, fake_process_group, measure
+from tools.workload import ANCHOR, CPU_ANCHOR, CUDA_ONLY, VARIANTS, GPTSize, make_optimizer
 
 MIB = 2**20
 WARMUP_STEPS = 2

@@ -1,7 +1,7 @@
 """GPU peak memory and step time of the sharded paths on one GPU: each variant is rank 0 of a fake
 process group of ``--world-size`` ranks (collectives move nothing), fsdp1 next to torch's FSDP1.
 
-    python tools/gpu_fake_pg.py --world-size 8 --json out/gpu_fake_pg.json
+    python -m tools.gpu_fake_pg --world-size 8 --json out/gpu_fake_pg.json    # from the repository root
 
 NCCL puts one rank on a GPU, and at world size 1 both FSDP1s fall back to NO_SHARD, so a single GPU
 measures sharding only this way. The model is the benchmark's GPT
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from memory_estimator import fake_process_group
-from workload import BF16, VARIANTS, GPTSize
+from tools.memory_estimator import fake_process_group
+from tools.workload import BF16, VARIANTS, GPTSize
 
 PAIRS = ["full", "full_orig", "grad_op", "full_bf16", "full_offload"]
 """The fsdp1_* / torch_fsdp1_* variants of tools/workload.py measured here."""
@@ -75,7 +75,8 @@ def main() -> None:
     results = {}
     for pair in PAIRS:
         for name in (f"torch_fsdp1_{pair}", f"fsdp1_{pair}"):
-            run = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--only", name], capture_output=True, text=True)
+            run = subprocess.run([sys.executable, "-m", "tools.gpu_fake_pg", *sys.argv[1:], "--only", name],
+                                 capture_output=True, text=True)
             if run.returncode:
                 raise SystemExit(f"{name} failed:\n{run.stderr[-4000:]}")
             results[name] = json.loads(run.stdout.strip().splitlines()[-1])

@@ -1,7 +1,9 @@
 """Predict fsdp1's memory per rank before you have the ranks: a dry run on the meta device.
 
-    python tools/memory_estimator.py --world-size 8 --strategy FULL_SHARD
-    python tools/memory_estimator.py --world-size 64 --d-model 1024 --layers 24 --batch 4
+    python -m tools.memory_estimator --world-size 8 --variant fsdp1_grad_op
+    python -m tools.memory_estimator --world-size 64 --d-model 1024 --layers 24 --batch 4
+
+Run it from the repository root, where the ``tools`` and ``examples`` packages are.
 
 The model is built on the meta device (no memory, no data) and trained for two steps under a fake
 process group of the requested world size, in this one process, as rank 0 of N. Collectives move no
@@ -25,8 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from live_memory import LiveStorageTracker
-from workload import VARIANTS, GPTSize, Wrapper, make_optimizer, state_bytes
+from tools.live_memory import LiveStorageTracker
+from tools.workload import VARIANTS, GPTSize, Wrapper, make_optimizer, state_bytes
 
 META = torch.device("meta")
 ESTIMATED = [name for name in VARIANTS if name.startswith("fsdp1_") or name == "local"]

@@ -1,10 +1,8 @@
 """What the benchmark and the memory estimator run: the example's GPT at a chosen size, its batch and
 loss, and every wrapper variant, each wrapped with one unit per block plus the root."""
 
-import sys
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Callable, Dict
 
 import torch
@@ -13,8 +11,7 @@ from torch.nn import functional as F
 
 import fsdp1
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from train_gpt import GPT, Block, state_bytes  # noqa: E402,F401 - the example's model and its memory count, so every tool measures the same code
+from examples.train_gpt import GPT, Block, state_bytes  # noqa: F401 - the example's model and its memory count, so every tool measures the same code
 
 
 @dataclass(frozen=True)

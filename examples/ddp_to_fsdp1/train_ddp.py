@@ -1,19 +1,19 @@
 """A DDP training script, the starting point of a migration to fsdp1 (see train_fsdp1.py).
 
-    torchrun --standalone --nproc-per-node 2 examples/ddp_to_fsdp1/train_ddp.py --losses ddp.json
+    torchrun --standalone --nproc-per-node 2 -m examples.ddp_to_fsdp1.train_ddp --losses ddp.json
+
+from the repository root (``-m``: it imports the GPT of ``examples/train_gpt.py``).
 """
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from train_gpt import DEFAULT_TEXT, GPT, batches, init_distributed, load_corpus, mean_over_ranks  # noqa: E402
+from examples.train_gpt import DEFAULT_TEXT, GPT, batch, init_distributed, load_corpus, mean_over_ranks
 
 
 def main() -> None:
@@ -32,9 +32,8 @@ def main() -> None:
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
 
     losses = []
-    stream = batches(data, block_size=64, batch_size=8, seed=rank)
     for step in range(args.steps):
-        inputs, targets = next(stream)
+        inputs, targets = batch(data, block_size=64, batch_size=8, seed=rank, step=step)
         loss = F.cross_entropy(model(inputs).reshape(-1, vocab), targets.reshape(-1))
         loss.backward()
         optim.step()

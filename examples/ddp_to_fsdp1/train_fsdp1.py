@@ -1,11 +1,12 @@
 """train_ddp.py migrated to fsdp1: `diff train_ddp.py train_fsdp1.py` shows every changed line.
 
-    torchrun --standalone --nproc-per-node 2 examples/ddp_to_fsdp1/train_fsdp1.py --losses fsdp1.json
+    torchrun --standalone --nproc-per-node 2 -m examples.ddp_to_fsdp1.train_fsdp1 --losses fsdp1.json
+
+from the repository root (``-m``: it imports the GPT of ``examples/train_gpt.py``).
 """
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -14,8 +15,7 @@ from torch.nn import functional as F
 import fsdp1
 from fsdp1.wrap import ModuleWrapPolicy
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from train_gpt import DEFAULT_TEXT, GPT, Block, batches, init_distributed, load_corpus, mean_over_ranks  # noqa: E402
+from examples.train_gpt import DEFAULT_TEXT, GPT, Block, batch, init_distributed, load_corpus, mean_over_ranks
 
 
 def main() -> None:
@@ -34,9 +34,8 @@ def main() -> None:
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
 
     losses = []
-    stream = batches(data, block_size=64, batch_size=8, seed=rank)
     for step in range(args.steps):
-        inputs, targets = next(stream)
+        inputs, targets = batch(data, block_size=64, batch_size=8, seed=rank, step=step)
         loss = F.cross_entropy(model(inputs).reshape(-1, vocab), targets.reshape(-1))
         loss.backward()
         optim.step()

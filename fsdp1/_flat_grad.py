@@ -1,0 +1,341 @@
+"""A unit's gradient: from the unsharded gradient autograd accumulates to the sharded one the
+optimizer steps with, across backwards, ``no_sync`` and aborted iterations.
+
+``FlatGrad`` owns every gradient tensor of one handle but the one autograd writes
+(``flat_param.grad`` while a backward runs), the reduction's configuration (communication hook,
+divide factors) and the reductions in flight (``GradReduction``). Its phases:
+
+    SHARDED ──backward begins──▶ BACKWARD ──finish──▶ SHARDED
+                                    │  ▲
+                     no_sync keeps  │  │ the next synchronised backward reduces it
+                                    ▼  │
+    LOCAL ◀──────────finish───── LOCAL_BACKWARD ◀──backward begins── LOCAL
+
+Every move goes through ``_move``, which refuses any other (an internal error naming the phases).
+"""
+
+from dataclasses import dataclass
+from enum import Enum, auto
+from typing import Callable, Dict, FrozenSet, Optional, Tuple
+
+import torch
+
+from . import _collectives as comm
+from ._device import wait_for_device
+from ._layout import InFlight, ParamLayout
+from ._mixed_precision import HandlePrecision
+from ._shard_math import gradient_divide_factors
+from ._views import ParamViews, assign_grad
+
+
+class GradPhase(Enum):
+    SHARDED = auto()
+    """Between steps: the optimizer's sharded gradient (or none) is in place."""
+    BACKWARD = auto()
+    """A backward is under way: the optimizer's gradient is set aside, this backward's reductions add up."""
+    LOCAL = auto()
+    """Inside ``no_sync``, between backwards: ``flat_param.grad`` holds this rank's unreduced sum."""
+    LOCAL_BACKWARD = auto()
+    """A backward is under way on top of an unreduced sum, which autograd adds to."""
+
+
+_MOVES: Dict[GradPhase, FrozenSet[GradPhase]] = {
+    GradPhase.SHARDED: frozenset({GradPhase.BACKWARD}),
+    GradPhase.BACKWARD: frozenset({GradPhase.SHARDED, GradPhase.LOCAL_BACKWARD}),
+    GradPhase.LOCAL: frozenset({GradPhase.LOCAL_BACKWARD, GradPhase.SHARDED}),
+    GradPhase.LOCAL_BACKWARD: frozenset({GradPhase.LOCAL, GradPhase.BACKWARD}),
+}
+_UNREDUCED = (GradPhase.LOCAL, GradPhase.LOCAL_BACKWARD)
+_IN_BACKWARD = (GradPhase.BACKWARD, GradPhase.LOCAL_BACKWARD)
+
+
+@dataclass(frozen=True)
+class CommHook:
+    """A hook ``register_comm_hook`` installed: ``hook(state, grad, output)`` for a sharded unit,
+    ``hook(state, grad)`` otherwise. ``casts_itself``: a low-precision hook, which reduces in its own
+    dtype and casts back, so the unit does neither."""
+
+    hook: Callable[..., object]
+    state: object
+    casts_itself: bool
+
+    def reduce(self, grad: torch.Tensor, output: Optional[torch.Tensor]) -> Optional[InFlight]:
+        """Start (or do) the reduction; what is still in flight if the hook returned it, else None."""
+        result = self.hook(self.state, grad) if output is None else self.hook(self.state, grad, output)
+        return result if callable(getattr(result, "wait", None)) else None  # type: ignore[return-value]  # duck-typed work
+
+
+@dataclass
+class GradReduction:
+    """A gradient reduce-scatter (or all-reduce) in flight for one unit."""
+
+    grad: "FlatGrad"
+    work: Optional[InFlight]  # None: a comm hook finished it already
+    unsharded_grad: torch.Tensor  # kept alive until the collective has read it
+    reduced: torch.Tensor
+
+    def finish(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        self.grad.add_reduced(self.reduced)
+
+
+class FlatGrad:
+    """The gradient of one handle's flat parameter.
+
+    The optimizer's gradient covers the *gradient span* of the shard: all of it, unless frozen
+    original parameters (use_orig_params) lie at its end, which then cost no gradient memory (torch's
+    keeps it, pytorch#104690). Over the whole shard it is ``flat_param.grad``, where a flat-parameter
+    optimizer's ``zero_grad`` acts; over a part it is kept here and shown only through the original
+    parameters' ``.grad``.
+    """
+
+    def __init__(self, flat_param: torch.nn.Parameter, layout: ParamLayout, views: ParamViews,
+                 group: comm.ProcessGroup, replicate_group: Optional[comm.ProcessGroup],
+                 precision: HandlePrecision, in_full_precision: Callable[[], bool],
+                 compute_device: torch.device, offloaded: bool) -> None:
+        self._flat_param = flat_param
+        self._layout = layout
+        self._views = views
+        self._group = group
+        self._replicate_group = replicate_group
+        self.precision = precision
+        self._in_full_precision = in_full_precision  # evaluation in full precision right now
+        self.compute_device = compute_device
+        self._offloaded = offloaded
+        self.path = ""  # the unit's clean path, for messages
+        replicas = comm.group_size(replicate_group) if replicate_group is not None else 1
+        self._pre_divide, self._post_divide = gradient_divide_factors(layout.world_size * replicas)
+        self.comm_hook: Optional[CommHook] = None  # register_comm_hook's, replacing the reduction
+        self.phase = GradPhase.SHARDED
+        self.span = self._trainable_span()
+        self._before_backward: Optional[torch.Tensor] = None  # the optimizer's gradient, set aside
+        self._this_backward: Optional[torch.Tensor] = None  # this backward's reduced gradient
+        self._span_grad: Optional[torch.Tensor] = None  # the optimizer's gradient when the span is partial
+
+    def _move(self, phase: GradPhase) -> None:
+        if phase is not self.phase and phase not in _MOVES[self.phase]:
+            raise RuntimeError(f"fsdp1 internal error: unit '{self.path}' moved its gradient from {self.phase.name} to {phase.name}")
+        self.phase = phase
+
+    @property
+    def is_unreduced(self) -> bool:
+        """``flat_param.grad`` holds local sums (inside ``no_sync``)."""
+        return self.phase in _UNREDUCED
+
+    # ----------------------------------------------------------------------------- the optimizer's gradient
+    @property
+    def for_optim(self) -> Optional[torch.Tensor]:
+        """The sharded gradient the optimizer steps with (None if there is none)."""
+        return None if self.is_unreduced else self._optim_grad
+
+    @property
+    def _optim_grad(self) -> Optional[torch.Tensor]:
+        return self._flat_param.grad if self._span_is_whole_shard() else self._span_grad
+
+    def _span_is_whole_shard(self) -> bool:
+        return self.span == (0, self._layout.shard_numel)
+
+    def _set_for_optim(self, grad: Optional[torch.Tensor]) -> None:
+        """Hand ``grad`` (over the span) to the optimizer: as the flat parameter's ``.grad`` when it
+        covers the whole shard, and through the views on the original parameters."""
+        if self._span_is_whole_shard():
+            assign_grad(self._flat_param, grad)
+            self._span_grad = None
+        else:
+            self._flat_param.grad, self._span_grad = None, grad
+        self._views.show_grads(grad, self._layout, self.span[0])
+
+    def reshow(self) -> None:
+        """The original parameters show the optimizer's gradient again (after showing full ones)."""
+        self._views.show_grads(self._optim_grad, self._layout, self.span[0])
+
+    def take_user_changes(self) -> None:
+        """Carry what the user did to the original parameters' ``.grad`` into the flat gradient:
+        ``None`` (``zero_grad``) zeroes that part, and frees the flat gradient once every part is
+        ``None``; a replaced tensor is copied in. Idempotent, so the root runs it at every forward
+        (freeing zeroed gradients before the forward, as torch's) and backward runs it again. Inside
+        ``no_sync`` a ``zero_grad`` of every original parameter drops the local accumulation."""
+        if self.is_unreduced and self._views.every_grad_dropped():
+            self._flat_param.grad = None
+            self._move(GradPhase.SHARDED if self.phase is GradPhase.LOCAL else GradPhase.BACKWARD)
+        if self._optim_grad is not None and not self._views.take_user_grads():
+            self._set_for_optim(None)
+
+    def respan(self, requires_grad: Tuple[bool, ...]) -> None:
+        """Parameters were frozen or unfrozen: the kept gradients move to the new span (zeros where
+        they had no values)."""
+        grad = self._optim_grad
+        old_span, self.span = self.span, self._trainable_span(requires_grad)
+        if self._before_backward is not None:
+            self._before_backward = self._respan(self._before_backward, old_span)
+        if grad is not None:
+            self._set_for_optim(self._respan(grad, old_span))
+
+    def _trainable_span(self, requires_grad: Optional[Tuple[bool, ...]] = None) -> Tuple[int, int]:
+        requires_grad = self._views.span_requires_grad if requires_grad is None else requires_grad
+        if all(requires_grad):
+            return 0, self._layout.shard_numel
+        return self._layout.trainable_span(requires_grad)
+
+    def _respan(self, grad: torch.Tensor, old_span: Tuple[int, int]) -> torch.Tensor:
+        (old_lo, old_hi), (lo, hi) = old_span, self.span
+        moved = grad.new_zeros(hi - lo)
+        start, end = max(lo, old_lo), min(hi, old_hi)
+        if start < end:
+            moved[start - lo : end - lo] = grad[start - old_lo : end - old_lo]
+        return moved
+
+    def shard_sized(self) -> Optional[torch.Tensor]:
+        """The optimizer's gradient over the whole shard on the compute device (zeros outside the
+        span), or None when no rank has one (collective: every rank of the group answers)."""
+        if self.is_unreduced:
+            raise RuntimeError(
+                f"fsdp1: summon_full_params(with_grads=True) inside no_sync() for unit with {self._views.fqns[:3]}: "
+                "the gradients are this rank's unreduced sums. Call it after the backward that synchronises them."
+            )
+        self.take_user_changes()  # a zero_grad() on the original parameters since the last step counts
+        grad = self._optim_grad
+        flag = torch.tensor([0.0 if grad is None else 1.0], device=self.compute_device)
+        comm.all_reduce(flag, self._group).wait()
+        if flag.item() == 0.0:
+            return None
+        shard = torch.zeros(self._layout.shard_numel, dtype=self._flat_param.dtype, device=self.compute_device)
+        if grad is not None:
+            lo, hi = self.span
+            shard[lo:hi] = grad
+        return shard
+
+    def adopt_converted(self, like: torch.Tensor, precision: HandlePrecision, compute_device: torch.device) -> None:
+        """The flat parameter changed dtype or device: so does the kept gradient (a whole-shard one was
+        converted with it)."""
+        self.precision, self.compute_device = precision, compute_device
+        if not self.is_unreduced:
+            grad = self._optim_grad
+            self._set_for_optim(None if grad is None else grad.to(like))
+
+    # ----------------------------------------------------------------------------- one backward
+    def begin_backward(self) -> None:
+        """Once per backward, before autograd accumulates this unit's unsharded gradient: move the
+        optimizer's sharded gradient aside, so that this backward's reduction adds onto it.
+
+        Doing this when the gradient is about to arrive, not at the next forward, keeps ``.grad``
+        intact through forwards that no backward follows (a metric between backward and step). A
+        gradient left unreduced by ``no_sync`` stays on ``flat_param.grad``, where autograd adds this
+        backward's local gradient to it.
+        """
+        if self.phase in _IN_BACKWARD:
+            return
+        if self.phase is GradPhase.LOCAL:
+            self._move(GradPhase.LOCAL_BACKWARD)
+            return
+        self.take_user_changes()
+        before = self._optim_grad  # in param_dtype under keep_low_precision_grads: accumulate in full
+        self._before_backward = None if before is None else before.to(self.precision.orig_dtype)
+        self._span_grad = self._flat_param.grad = None
+        self._move(GradPhase.BACKWARD)
+
+    def keep_unreduced(self) -> None:
+        """Inside ``no_sync``: leave the local gradient sum on ``flat_param.grad`` for later steps."""
+        self._move(GradPhase.LOCAL_BACKWARD)
+
+    def reduce(self) -> GradReduction:
+        """Start reducing this backward's unsharded gradient in reduce_dtype: mean over the ranks, this
+        rank's shard kept. Under a hybrid strategy the shard is all-reduced across the replicas when
+        it is finished."""
+        if self.phase not in _IN_BACKWARD:
+            raise RuntimeError(f"fsdp1 internal error: unit '{self.path}' reduced its gradient in phase {self.phase.name}")
+        grad = self._flat_param.grad
+        assert grad is not None, "the post-backward hook runs once autograd has accumulated the gradient"
+        self._flat_param.grad = None
+        hook = self.comm_hook
+        casts_itself = hook is not None and hook.casts_itself
+        if grad.dtype != self.precision.reduce_dtype and not self._in_full_precision() and not casts_itself:
+            grad = grad.to(self.precision.reduce_dtype)
+        self._move(GradPhase.BACKWARD)
+        if grad.numel() != self._layout.unsharded_numel:
+            raise RuntimeError(
+                f"fsdp1 internal error: unit with {self._views.fqns[:3]}... got a gradient of {grad.numel()} "
+                f"elements, expected {self._layout.unsharded_numel}"
+            )
+        sharded = self._layout.is_sharded
+        grad = self._layout.reduce_input(grad)
+        reduced = grad.new_empty(self._layout.shard_numel) if sharded else grad
+        if hook is not None:
+            return GradReduction(self, hook.reduce(grad, reduced if sharded else None), grad, reduced)
+        if self._pre_divide > 1:
+            grad.div_(self._pre_divide)
+        if sharded:
+            work: InFlight = comm.reduce_scatter_into(reduced, grad, self._group, self.path)
+        else:
+            work = comm.all_reduce(grad, self._group, self.path)
+        return GradReduction(self, work, grad, reduced)
+
+    def add_reduced(self, reduced: torch.Tensor) -> None:
+        """A reduction finished: all-reduce it over the replicas (hybrid strategies), keep the span,
+        divide, cast and (offloaded) copy it to the CPU, and add it to this backward's gradient."""
+        if self._replicate_group is not None:
+            comm.all_reduce(reduced, self._replicate_group, self.path).wait()
+        if not self._span_is_whole_shard():  # frozen parameters keep no gradient
+            lo, hi = self.span
+            reduced = reduced[lo:hi].clone()
+        if self._post_divide > 1 and self.comm_hook is None:  # a hook divides as it sees fit
+            reduced.div_(self._post_divide)
+        if not (self._keeps_low_precision and not self._layout.is_sharded):  # NO_SHARD keeps it as reduced, as torch's
+            reduced = reduced.to(self.precision.orig_dtype)
+        if self._offloaded:
+            reduced = to_host(reduced)  # still in flight: finish_backward waits
+        if self._this_backward is None:
+            self._this_backward = reduced
+        else:
+            self._wait_for_offloaded()
+            self._this_backward += reduced
+
+    def finish_backward(self) -> None:
+        """End of backward: the optimizer's gradient is the earlier one plus this backward's reduction.
+        A unit this backward never reached keeps its gradient as it was."""
+        if self.phase is GradPhase.LOCAL_BACKWARD:
+            self._move(GradPhase.LOCAL)
+            assert self._flat_param.grad is not None, "a backward inside no_sync leaves its local sum"
+            self._views.show_unreduced_grads(self._flat_param.grad, self._layout)
+            return
+        if self.phase is not GradPhase.BACKWARD:
+            return
+        self._move(GradPhase.SHARDED)
+        self._wait_for_offloaded()
+        before, reduced = self._before_backward, self._this_backward
+        self._before_backward = self._this_backward = None
+        if before is not None and reduced is not None:
+            before += reduced
+        grad = reduced if before is None else before
+        if grad is not None and self._keeps_low_precision and self._layout.is_sharded:
+            grad = grad.to(self.precision.param_dtype)  # not sharded: left in reduce_dtype, as torch's
+        self._set_for_optim(grad)
+
+    def abandon_backward(self) -> None:
+        """An aborted backward: its reductions are dropped, the optimizer's gradient is as before."""
+        if self.phase is GradPhase.BACKWARD:
+            self._move(GradPhase.SHARDED)
+            self._flat_param.grad = None
+            self._set_for_optim(self._before_backward)
+        elif self.phase is GradPhase.LOCAL_BACKWARD:
+            self._move(GradPhase.LOCAL)
+        self._before_backward = self._this_backward = None
+
+    def _wait_for_offloaded(self) -> None:
+        """Copies of reduced gradients to the CPU run asynchronously on the compute device's stream;
+        wait for them before the CPU reads one (after the first wait the stream is idle)."""
+        if self._offloaded and self._this_backward is not None:
+            wait_for_device(self.compute_device)
+
+    @property
+    def _keeps_low_precision(self) -> bool:
+        return self.precision.keep_low_precision_grads and not self._in_full_precision()
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of ``tensor``, in pinned memory so that the copy is asynchronous; the caller waits
+    (``wait_for_device``) before reading it."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=torch.cuda.is_available())
+    host.copy_(tensor, non_blocking=True)
+    return host

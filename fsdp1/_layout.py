@@ -1,0 +1,175 @@
+"""Where a unit's parameters lie: in the unsharded buffer a gather fills, and in each rank's shard.
+
+A layout answers the three questions the handle's collectives and views ask, and nothing else:
+
+* what an all-gather of the ranks' shards fills: the unsharded buffer, of which every parameter is
+  a view in its own shape (``unflatten``), and how the gather is issued (``all_gather``);
+* what a gradient reduction reads: the unsharded gradient, in the order the collective splits it
+  over the ranks (``reduce_input``);
+* where each original parameter's part of this rank's shard lives (``shard_infos``,
+  ``local_views``), which the original parameters at rest, their gradients and the state dicts use.
+
+``FlatShardLayout`` is FSDP1's: the parameters end to end, the concatenation split into equal runs,
+so that a rank's run may hold part of one parameter or parts of several, and the gathered order is
+the parameters' order. A layout that splits every parameter along its rows (FSDP2's ``Shard(0)``)
+answers the same questions with a permutation between the gathered order and the parameters' order,
+done inside ``all_gather`` and ``reduce_input``; nothing else in the handle changes for it.
+"""
+
+from abc import ABC, abstractmethod
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from . import _collectives as comm
+from ._shard_math import (
+    ALIGNMENT_PADDING_VALUE,
+    FlatLayout,
+    ParamShardInfo,
+    ShardSpan,
+    padded_unsharded_numel,
+    param_shard_infos,
+    plan_flat_layout,
+    shard_span,
+)
+
+InFlight = Union[comm.GuardedWork, comm.PairwiseExchange]
+"""A collective started and not yet waited for."""
+
+
+class ParamLayout(ABC):
+    """The placement of one unit's parameters (in flat order) over its shard group.
+
+    ``unsharded_numel`` is the size of the buffer a gather fills and of the gradient a reduction
+    reads (padding included); ``shard_numel`` the size of each rank's shard, and of every tensor
+    laid out as it (the sharded gradient, optimizer state).
+    """
+
+    shapes: Tuple[torch.Size, ...]
+    shard_infos: Tuple[ParamShardInfo, ...]
+    unsharded_numel: int
+    shard_numel: int
+    rank: int
+    world_size: int
+    is_sharded: bool
+
+    @abstractmethod
+    def new_unsharded(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """An unsharded buffer whose padding holds its fill values; the parameters' views are uninitialised."""
+
+    @abstractmethod
+    def split(self, unsharded: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        """``unsharded`` split into pieces (one autograd node for all of them, so that a forward's
+        views route every parameter's gradient into one unsharded gradient)."""
+
+    @abstractmethod
+    def param_views(self, pieces: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """Each parameter, in its own shape, as a view of the pieces ``split`` made."""
+
+    def unflatten(self, unsharded: torch.Tensor) -> List[torch.Tensor]:
+        """Each parameter, in its own shape, as a view of an unsharded buffer (or of its gradient)."""
+        return self.param_views(self.split(unsharded))
+
+    @abstractmethod
+    def all_gather(self, unsharded: torch.Tensor, shard: torch.Tensor, group: comm.ProcessGroup, path: str) -> InFlight:
+        """Start filling ``unsharded`` from every rank's ``shard``; the parameters' views of it are
+        valid once the returned work is waited for."""
+
+    @abstractmethod
+    def reduce_input(self, unsharded_grad: torch.Tensor) -> torch.Tensor:
+        """The unsharded gradient in the order a reduce-scatter hands each rank its shard's part."""
+
+    @abstractmethod
+    def local_view(self, shard_like: torch.Tensor, index: int, start: int = 0) -> torch.Tensor:
+        """Parameter ``index``'s part of a tensor laid out as this rank's shard from element ``start``
+        on (empty when the parameter has no element there)."""
+
+    def local_views(self, shard_like: torch.Tensor) -> List[torch.Tensor]:
+        """Every parameter's part of a tensor laid out as this rank's shard."""
+        return [self.local_view(shard_like, index) for index in range(len(self.shapes))]
+
+    def flatten(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """A new unsharded buffer holding ``tensors`` (the parameters' values, in flat order)."""
+        first = tensors[0]
+        unsharded = self.new_unsharded(first.dtype, first.device)
+        with torch.no_grad():
+            for view, tensor in zip(self.unflatten(unsharded), tensors):
+                view.copy_(tensor.detach().reshape(view.shape))
+        return unsharded
+
+    def shard_of(self, unsharded: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of an unsharded buffer (a view)."""
+        start = self.rank * self.shard_numel if self.is_sharded else 0
+        return unsharded[start : start + self.shard_numel]
+
+    def trainable_span(self, requires_grad: Sequence[bool]) -> Tuple[int, int]:
+        """The smallest run of the shard that holds every element of a parameter that needs a gradient."""
+        bounds = [
+            (info.offset_in_shard, info.offset_in_shard + info.numel_in_shard)
+            for info, needs_grad in zip(self.shard_infos, requires_grad)
+            if needs_grad and info.in_shard
+        ]
+        if not bounds:
+            return 0, 0
+        return min(lo for lo, _ in bounds), max(hi for _, hi in bounds)
+
+
+class FlatShardLayout(ParamLayout):
+    """FSDP1's layout: the parameters end to end (with ``aligned_numel``, each starting on a multiple
+    of it and the total padded to a multiple of the group size, as torch's does for use_orig_params),
+    zeros at the tail up to a multiple of the group size, rank ``r`` holding the ``r``-th equal run.
+
+    Element for element torch FSDP1's, which keeps LOCAL checkpoints interchangeable with it. Unsharded
+    (``is_sharded`` False) the one "shard" is the whole flat parameter and the local views have the
+    parameters' own shapes.
+    """
+
+    def __init__(self, shapes: Sequence[torch.Size], aligned_numel: int, rank: int, world_size: int, is_sharded: bool) -> None:
+        self.shapes = tuple(shapes)
+        self.rank, self.world_size, self.is_sharded = rank, world_size, is_sharded
+        self.flat: FlatLayout = plan_flat_layout([shape.numel() for shape in self.shapes], aligned_numel, world_size)
+        shard_world = world_size if is_sharded else 1
+        self.unsharded_numel = padded_unsharded_numel(self.flat.numel, shard_world)
+        self.shard_numel = self.unsharded_numel // shard_world
+        self.span: ShardSpan = shard_span(self.flat.numel, rank if is_sharded else 0, shard_world)
+        self.shard_infos = param_shard_infos(self.flat, self.span)
+        self._split_sizes, self._piece_of_param = self.flat.split_sizes(self.unsharded_numel)
+
+    def new_unsharded(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        unsharded = torch.full((self.unsharded_numel,), ALIGNMENT_PADDING_VALUE, dtype=dtype, device=device)
+        unsharded[self.flat.numel :].zero_()
+        return unsharded
+
+    def split(self, unsharded: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        return torch.split(unsharded, list(self._split_sizes))
+
+    def param_views(self, pieces: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        return [pieces[i].view(shape) for i, shape in zip(self._piece_of_param, self.shapes)]
+
+    def all_gather(self, unsharded: torch.Tensor, shard: torch.Tensor, group: comm.ProcessGroup, path: str) -> InFlight:
+        return comm.all_gather_into(unsharded, shard, group, path)
+
+    def reduce_input(self, unsharded_grad: torch.Tensor) -> torch.Tensor:
+        return unsharded_grad  # the gathered order is the parameters' order
+
+    def local_view(self, shard_like: torch.Tensor, index: int, start: int = 0) -> torch.Tensor:
+        info = self.shard_infos[index]
+        piece = shard_like[info.offset_in_shard - start : info.offset_in_shard - start + info.numel_in_shard]
+        return piece if self.is_sharded else piece.view(self.shapes[index])
+
+    @property
+    def unpadded_numel(self) -> int:
+        """Elements of the flat parameter before tail padding: what a LOCAL state dict describes."""
+        return self.flat.numel
+
+
+def piece_in_shard(info: ParamShardInfo, full_value: torch.Tensor) -> torch.Tensor:
+    """The part of a parameter's full value (any shape) that lies in this rank's shard, flat."""
+    return full_value.detach().reshape(-1)[info.intra_param_start : info.intra_param_start + info.numel_in_shard]
+
+
+def shard_of_values(layout: ParamLayout, values: Sequence[Optional[torch.Tensor]], shard: torch.Tensor) -> None:
+    """Write this rank's part of each full value (None: left as it is) into ``shard`` (laid out as the shard)."""
+    for info, value in zip(layout.shard_infos, values):
+        if value is not None and info.in_shard:
+            shard[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard] = piece_in_shard(info, value)

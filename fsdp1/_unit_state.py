@@ -1,0 +1,388 @@
+"""``UnitState``: one unit's runtime state, whose methods are the unit's forward and backward hooks.
+The only module that registers autograd or forward hooks.
+
+A unit is the module that owns the state (``owner``: a ``FullyShardedDataParallel``, or any module
+that holds a ``UnitState`` under ``FSDP_STATE``) and the module whose forward the hooks wrap
+(``hooked``: the wrapped module, or the owner itself). The state owns the handle, the process
+group, the prefetch settings, the sync flag, the training state and the link to the root's
+``RootState``; nothing else writes them.
+
+The hooks run eagerly under ``torch.compile``: dynamo breaks the graph at each of them and compiles
+the module bodies between (``eager_only``).
+"""
+
+from typing import Any, Collection, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.autograd.profiler import record_function
+
+from . import _collectives as comm
+from ._common import RESHARD_AFTER_FORWARD, TrainingState
+from ._device import move_to_device
+from ._flat_param import FlatParamHandle, HandleState
+from ._mixed_precision import cast_floating_tensors
+from ._runtime import RootState, WeakPartial, current_graph_task, eager_only, inside_backward
+from ._traversal import FSDP_STATE, fsdp_units, iter_tensors, iter_unit_submodules
+from .api import BackwardPrefetch, MixedPrecision, ShardingStrategy
+
+
+def state_of(module: nn.Module) -> "UnitState":
+    """The ``UnitState`` of a unit module."""
+    return module.__dict__[FSDP_STATE]
+
+
+class UnitState:
+    """The runtime state of one unit, and the hooks that move it through an iteration."""
+
+    def __init__(self, owner: nn.Module, hooked: nn.Module, handle: Optional[FlatParamHandle],
+                 process_group: comm.ProcessGroup, sharding_strategy: ShardingStrategy,
+                 mixed_precision: Optional[MixedPrecision], backward_prefetch: Optional[BackwardPrefetch],
+                 forward_prefetch: bool, compute_device: torch.device, ignored_modules: Collection[nn.Module]) -> None:
+        self.owner = owner
+        self.hooked = hooked
+        self.handle = handle
+        self.process_group = process_group
+        self.world_size = comm.group_size(process_group)
+        self.sharding_strategy = sharding_strategy
+        self.mixed_precision = mixed_precision
+        self.backward_prefetch = backward_prefetch
+        self.forward_prefetch = forward_prefetch
+        self.compute_device = compute_device
+        self.ignored_modules = ignored_modules
+        self.training_state = TrainingState.IDLE
+        self.is_root: Optional[bool] = None  # decided lazily, at the first forward
+        self._root_state: Optional[RootState] = None
+        self.sync_gradients = True
+        self.awaits_pre_backward = False  # an output of this forward will call _pre_backward
+        self._backward_graph_task = -1  # autograd graph task this unit's backward began in
+        self.awaits_reduction = False  # a nested backward accumulated a partial gradient
+        self._has_post_backward_hook = False
+        self._submodule_forward: Optional[nn.Module] = None  # a submodule called from outside, running
+        owner.__dict__[FSDP_STATE] = self
+        self.register_post_backward_hook()
+        self._register_forward_hooks()
+
+    @property
+    def root_state(self) -> RootState:
+        """The root's shared state (the first forward, or ``lazy_init``, decides the root)."""
+        if self._root_state is None:
+            self.lazy_init()
+        assert self._root_state is not None, "lazy_init sets the root state of every unit below the root"
+        return self._root_state
+
+    @property
+    def has_root_state(self) -> bool:
+        return self._root_state is not None
+
+    @property
+    def path(self) -> Optional[str]:
+        """The unit's clean path from its root, once the root is known."""
+        return self._root_state.path_of(self) if self._root_state is not None else None
+
+    def lazy_init(self) -> None:
+        """Make this unit the root of every unit below it, the first time it is used from the outside."""
+        if self.is_root is not None:
+            return
+        state = RootState(self, state_of)
+        for member in state.units:
+            member.is_root = member is self
+            member._root_state = state
+        state.buffers.use(full_precision=False)  # cast once, as torch's: full-precision evaluation sees them rounded
+
+    def forget_root(self) -> None:
+        """A new unit around this one makes it nested: its root is decided afresh."""
+        self.is_root = None
+        self._root_state = None
+
+    def reset(self) -> None:
+        """Sharded, IDLE and awaiting nothing, the gradients as before an aborted call; a unit inside
+        ``summon_full_params`` (a forward there is refused before it starts) belongs to the context,
+        which restores it on exit."""
+        if self.training_state is TrainingState.SUMMON_FULL_PARAMS:
+            return
+        if self.handle is not None:
+            self.handle.abandon_backward()
+        self.training_state = TrainingState.IDLE
+        self.awaits_pre_backward = False
+        self.awaits_reduction = False
+
+    @property
+    def computes_in_full_precision(self) -> bool:
+        """Evaluation in full precision under ``FSDP_USE_FULL_PREC_IN_EVAL=1``: decided by the unit's
+        handle, or for a unit without parameters by any unit below it (as torch's)."""
+        if self.handle is not None:
+            return self.handle.forces_full_precision
+        return any(u.handle.forces_full_precision for u in self.root_state.units if u.handle is not None)
+
+    # ----------------------------------------------------------------------------- hook registration
+    def register_post_backward_hook(self) -> None:
+        """Reduce the unit's gradient as soon as autograd has accumulated it into the flat parameter.
+        Registered at construction, or at the first forward that needs it, so that a unit frozen at
+        wrap time and unfrozen later still reduces its gradient."""
+        if self.handle is not None and not self._has_post_backward_hook and self.handle.flat_param.requires_grad:
+            self.handle.flat_param.register_post_accumulate_grad_hook(WeakPartial(UnitState._post_backward, self))
+            self._has_post_backward_hook = True
+
+    def _register_forward_hooks(self) -> None:
+        """Gather and reshard around every call of the hooked module, not only those through the
+        wrapper, and around a call of any of its submodules made from outside the unit's forward:
+        ``generate()`` reaches the wrapped model through attribute forwarding and calls it, or its
+        encoder, directly, which torch's FSDP1 cannot serve without ``summon_full_params``. A module
+        inside a nested unit that uses a tied parameter this unit holds counts as one of its submodules."""
+        module = self.hooked
+        module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
+        module.register_forward_hook(self.post_forward)
+        submodules = {id(m): m for m in iter_unit_submodules(module, self.ignored_modules)}
+        if self.handle is not None:
+            submodules.update((id(m), m) for m in self.handle.views.param_modules() if m is not module)
+        for submodule in submodules.values():
+            submodule.register_forward_pre_hook(self._pre_submodule_forward, prepend=True, with_kwargs=True)
+            submodule.register_forward_hook(self._post_submodule_forward)
+
+    def _pre_submodule_forward(self, submodule: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]
+                               ) -> Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]]:
+        """A submodule called while its unit is IDLE is called from outside the unit's forward: run it
+        as a forward of the unit. Inside the unit's forward or backward this is one attribute check,
+        which dynamo traces through."""
+        if self.training_state is not TrainingState.IDLE or self.handle is None:
+            return None
+        self._submodule_forward = submodule
+        return self.pre_forward(submodule, args, kwargs)
+
+    def _post_submodule_forward(self, submodule: nn.Module, args: Tuple[Any, ...], output: Any) -> Any:
+        if self._submodule_forward is not submodule:
+            return None
+        self._submodule_forward = None
+        return self.post_forward(submodule, args, output)
+
+    # ----------------------------------------------------------------------------- forward
+    @eager_only
+    def pre_forward(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]
+                    ) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+        with record_function("FSDP::pre_forward"):
+            if self.training_state is TrainingState.SUMMON_FULL_PARAMS:  # torch's raises AssertionError too
+                raise AssertionError(
+                    "fsdp1: forward was called inside summon_full_params(), which FSDP does not support. "
+                    "Run the forward after leaving the context."
+                )
+            state = self.root_state
+            if self.is_root:
+                self._start_iteration(state)
+                if self.compute_device.type != "cpu":
+                    args, kwargs = move_to_device((args, kwargs), self.compute_device)
+                state.buffers.use(full_precision=self.computes_in_full_precision)
+            args, kwargs = self._cast_inputs(args, kwargs)
+            self.training_state = TrainingState.FORWARD_BACKWARD
+            handle = self.handle
+            if handle is not None:
+                state.order.record_pre_forward(self)
+                _gather(handle)
+                if self.forward_prefetch:
+                    _prefetch(state.order.next_in_forward(self))
+                gradient_node = handle.use_unsharded_views()
+                self.register_post_backward_hook()
+                if gradient_node is not None:
+                    gradient_node.register_prehook(WeakPartial(_before_unsharded_gradient, state, handle))
+            return args, kwargs
+
+    @staticmethod
+    def _start_iteration(state: RootState) -> None:
+        """The root's forward: recover from an aborted iteration, then bring every unit up to date. A
+        unit still gathered by a forward whose backward never came (an eval forward with grad
+        enabled) may hold values an optimizer step has since changed: gather it afresh. Inside
+        ``no_sync`` SHARD_GRAD_OP keeps its gathered parameters on purpose, and no step comes
+        between. A flat parameter a client replaced (Accelerate's upcast) becomes the shard."""
+        comm.health_of(state.process_group).raise_if_broken()
+        if not state.is_clean() and not inside_backward():
+            state.recover()
+        if state.is_unchecked_after_abort and not inside_backward():
+            state.check_after_abort()
+        state.order.start_forward()
+        for member in state.units:
+            handle = member.handle
+            if handle is None:
+                continue
+            handle.write_back_orig_params()  # first: resharding puts the originals back in the module
+            if member.sync_gradients:
+                handle.reshard()
+            handle.adopt_replaced_flat_param()
+            handle.grad.take_user_changes()
+
+    def _cast_inputs(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+        """Floating-point inputs in param_dtype: the root's by default (``cast_root_forward_inputs``),
+        any unit's with ``cast_forward_inputs``; none when evaluating in full precision."""
+        precision = self.mixed_precision
+        if precision is None or precision.param_dtype is None:
+            return args, kwargs
+        if not (precision.cast_forward_inputs or (self.is_root and precision.cast_root_forward_inputs)):
+            return args, kwargs
+        if self.computes_in_full_precision:
+            return args, kwargs
+        return cast_floating_tensors(precision.param_dtype, (args, kwargs))
+
+    @eager_only
+    def abort_forward(self) -> None:
+        """The forward raised: undo what it left at once, so that an optimizer step or a state dict
+        taken next sees every unit sharded and its gradients as they were. The root recovers every
+        unit; a nested unit (called directly, or inside a forward that catches the error) recovers itself."""
+        if self.is_root is None or inside_backward():
+            return
+        if self.is_root:
+            self.root_state.recover()
+        else:
+            self.reset()
+
+    @eager_only
+    def post_forward(self, module: nn.Module, args: Tuple[Any, ...], output: Any) -> Any:
+        """End the unit's forward. A forward without grad has no backward to come, so every unit, the
+        root and SHARD_GRAD_OP ones included, reshards at once; otherwise FULL_SHARD units reshard and
+        the root stays gathered for backward, and so does any unit that is not sharded, unless it
+        computes on a low-precision copy, which a cast remakes for backward (torch's frees it too).
+        The module always sees its original parameters again."""
+        with record_function("FSDP::post_forward"):
+            handle = self.handle
+            if handle is not None:
+                self.root_state.order.record_post_forward(self)
+                if (
+                    not torch.is_grad_enabled()
+                    or (self.sharding_strategy in RESHARD_AFTER_FORWARD and not self.is_root)
+                    or handle.computes_on_low_precision_copy
+                ):
+                    handle.reshard()
+                else:
+                    handle.keep_gathered_for_backward()
+            if torch.is_grad_enabled():
+                for tensor in iter_tensors(output):
+                    if tensor.requires_grad:
+                        tensor.register_hook(self._pre_backward)
+                        self.awaits_pre_backward = True
+            self.training_state = TrainingState.IDLE
+            return output
+
+    # ----------------------------------------------------------------------------- backward
+    def _pre_backward(self, grad: torch.Tensor) -> None:
+        """First gradient of this backward reaching one of the unit's outputs: gather its parameters.
+
+        Keyed on the unit's state, not on which forward made the output, so that two forwards followed
+        by two backwards work as with DDP: each backward finds the unit IDLE and gathers it again.
+        """
+        with record_function("FSDP::pre_backward"):
+            state = self.root_state
+            state.queue_final_callback()
+            if self.training_state is TrainingState.FORWARD_BACKWARD:
+                return
+            self.awaits_pre_backward = False
+            self._backward_graph_task = current_graph_task()
+            self.training_state = TrainingState.FORWARD_BACKWARD
+            handle = self.handle
+            if handle is not None:
+                if handle.is_sharded:
+                    state.finish_reductions()
+                handle.write_back_orig_params(is_gathered_for_backward=handle.holds_gathered_copy)
+                _gather(handle)
+                handle.use_forward_views()
+                if self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+                    _prefetch_for_backward(state.order.next_in_backward(self))
+
+    def _post_backward(self, flat_param: torch.Tensor) -> None:
+        """The unit's gradient is complete: start its reduction and reshard.
+
+        A reentrant activation checkpoint inside the unit recomputes part of it in a nested backward,
+        whose accumulation into the flat parameter is only part of the gradient (torch's FSDP1 reduces
+        and reshards there, pytorch#89781): a gradient accumulated in another graph task than the
+        unit's backward began in waits, for the unit's own accumulation or the final callback.
+        """
+        with record_function("FSDP::post_backward"):
+            state = self.root_state
+            state.queue_final_callback()
+            if flat_param.grad is not None and flat_param.grad.requires_grad:
+                raise RuntimeError(
+                    f"fsdp1: unit '{state.path_of(self)}' received a gradient that itself requires grad "
+                    "(backward with create_graph=True); FSDP does not support gradients of gradients. "
+                    "Call backward() without create_graph."
+                )
+            if current_graph_task() != self._backward_graph_task:
+                self.awaits_reduction = True
+                return
+            self.reduce_and_reshard()
+
+    def reduce_and_reshard(self) -> None:
+        self.awaits_reduction = False
+        handle = self.handle
+        assert handle is not None, "only a unit with parameters has a gradient to reduce"
+        state = self.root_state
+        if self._reshards_after_backward:
+            handle.reshard()  # first: the unsharded parameters are freed before the reduction allocates
+        if self.sync_gradients:
+            state.add_reduction(handle.grad.reduce())
+        else:
+            handle.grad.keep_unreduced()
+        if self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+            _prefetch_for_backward(state.order.next_in_backward(self))
+
+    @property
+    def _reshards_after_backward(self) -> bool:
+        """Inside ``no_sync`` SHARD_GRAD_OP keeps parameters unsharded for the next micro-batch."""
+        return self.sync_gradients or self.sharding_strategy in RESHARD_AFTER_FORWARD + (ShardingStrategy.NO_SHARD,)
+
+    def finish_backward(self) -> None:
+        """The root's final callback reached this unit: it is resharded as its strategy asks, its
+        gradient handed to the optimizer, and it is IDLE."""
+        handle = self.handle
+        if handle is not None:
+            if self._reshards_after_backward:
+                handle.reshard()
+            elif handle.state is not HandleState.SHARDED:  # kept gathered (no_sync); an unused unit never was
+                handle.use_resting_views()
+            handle.grad.finish_backward()
+        self.training_state = TrainingState.IDLE
+        self.awaits_pre_backward = False
+
+
+def _gather(handle: FlatParamHandle) -> None:
+    """The unit's parameters unsharded (started now, or by a prefetch), waited for."""
+    handle.unshard()
+    handle.wait_unshard()
+
+
+def _before_unsharded_gradient(state: RootState, handle: FlatParamHandle, grad_outputs: Tuple[torch.Tensor, ...]) -> None:
+    """Autograd is about to assemble a unit's unsharded gradient and accumulate it into the flat
+    parameter: move the optimizer's gradient aside first, and (sharded) finish the reductions still
+    reading earlier units' unsharded gradients so that no two are alive together (the root's
+    gradient, for one, is assembled after every block's reduction has started)."""
+    handle.grad.begin_backward()
+    if handle.is_sharded:
+        state.finish_reductions()
+
+
+def _prefetch(unit: Optional[UnitState]) -> None:
+    """Start ``unit``'s all-gather without waiting; its own pre-forward or pre-backward waits."""
+    if unit is not None and unit.handle is not None:
+        unit.handle.unshard()
+
+
+def _prefetch_for_backward(unit: Optional[UnitState]) -> None:
+    """Prefetch only a unit whose backward is still to come, so that none is gathered twice."""
+    if unit is not None and unit.awaits_pre_backward:
+        _prefetch(unit)
+
+
+def unit_states(module: nn.Module) -> List[UnitState]:
+    """The state of every unit in ``module``'s tree, in ``module.modules()`` order."""
+    return [state_of(unit) for unit in fsdp_units(module)]
+
+
+def adopt_replaced_flat_params(module: nn.Module) -> None:
+    """Every unit in ``module`` takes a flat parameter a client replaced since (Accelerate's upcast)
+    as its shard: before a state dict or ``summon_full_params`` reads the shards, as before a forward."""
+    for unit in unit_states(module):
+        if unit.handle is not None:
+            unit.handle.write_back_orig_params()  # first, as at a forward: adopting a new shard re-points the originals
+            unit.handle.adopt_replaced_flat_param()
+
+
+def forget_roots(module: nn.Module) -> None:
+    """A new unit around units already used on their own makes them nested: decide roots afresh."""
+    for unit in unit_states(module):
+        unit.forget_root()

@@ -1,0 +1,489 @@
+"""What a unit's modules hold under their original parameter names, in each phase of the unit.
+
+Two behaviours behind one interface, chosen by ``use_orig_params``:
+
+* ``OrigParamViews`` (True): the original ``nn.Parameter`` objects stay registered; at rest they
+  view this rank's part of the shard (an optimizer built on ``model.parameters()`` steps them, and
+  their ``.grad`` views the sharded gradient); during computation the modules hold views of the
+  unsharded flat parameter.
+* ``FlatParamViews`` (False): the original Parameters leave the modules and the FlatParameter joins
+  the unit's module, so ``parameters()`` yields it alone; the original names hold views of the
+  unsharded buffer while it is alive, and placeholders that raise a clear error on use while it is
+  freed.
+
+Both keep the registrations (``ParamSlot``: a tied parameter has several, a module registered under
+two names has aliases) and assign through a module's own ``__setattr__`` where its class defines one
+(``_register``). The handle decides *when* each phase begins; these classes decide *what* the
+modules hold then.
+"""
+
+import contextlib
+import dataclasses
+import os
+import weakref
+from abc import ABC, abstractmethod
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ._layout import ParamLayout
+from ._placeholder import ShardedParamPlaceholder
+from ._shard_math import ALIGNMENT_BYTES
+from ._traversal import ParamSlot, split_registrations
+
+FLAT_PARAM = "_flat_param"
+UNSAFE_SETATTR = "FSDP_USE_UNSAFE_SETATTR"  # torch's switch: views bypass a module's own __setattr__
+FLATTENED = "_fsdp_flattened"
+"""Marks an original parameter that a unit has flattened (torch's name), so that wrapping the same
+module object twice is refused instead of flattening shard views a second time."""
+
+
+class ParamViews(ABC):
+    """The registrations of one unit's parameters, and what each holds in each phase.
+
+    ``owner`` is the module that holds the FlatParameter when it is registered (the unit's module).
+    """
+
+    def __init__(self, slots: Sequence[ParamSlot], owner: nn.Module) -> None:
+        self.slots, self.shared_slots, self.alias_fqns = split_registrations(slots)
+        self.owner = owner
+        self.requires_grad = tuple(slot.live_param.requires_grad for slot in self.slots)
+        self.shapes = tuple(slot.live_param.shape for slot in self.slots)
+        self.path = ""  # the unit's clean path from its root, for messages
+        # id -> (weak reference, fqn of its first registration): identity, never tensor ==
+        self._managed_params: Dict[int, Tuple["weakref.ref[nn.Parameter]", str]] = {}
+        self._modules_with_setattr = set() if os.environ.get(UNSAFE_SETATTR) == "1" else {
+            id(slot.module) for slot in self.all_slots() if type(slot.module).__setattr__ is not nn.Module.__setattr__
+        }
+
+    # ----------------------------------------------------------------------------- registrations
+    def all_slots(self) -> List[ParamSlot]:
+        return list(self.slots) + [slot for slot, _ in self.shared_slots]
+
+    @property
+    def fqns(self) -> Tuple[str, ...]:
+        return tuple(slot.fqn for slot in self.slots)
+
+    def slot_fqns(self) -> List[Tuple[str, int]]:
+        """Every registration's name (relative to the unit) with the index of its parameter in flat
+        order: first registrations in order, then the later ones of tied parameters, then the other
+        names of a module registered under several."""
+        return ([(slot.fqn, i) for i, slot in enumerate(self.slots)] + [(slot.fqn, i) for slot, i in self.shared_slots]
+                + list(self.alias_fqns))
+
+    def set_path(self, path: str, layout: ParamLayout, is_resharded: bool) -> None:
+        """The unit's clean path from its root, so that errors name parameters as the user's model does."""
+        self.path = path
+
+    def clean_fqn(self, slot: ParamSlot) -> str:
+        """The slot's name from the root, as the user's unwrapped model names it."""
+        return f"{self.path}.{slot.fqn}" if self.path else slot.fqn
+
+    def param_modules(self) -> List[nn.Module]:
+        """The modules that hold this unit's parameters, each once."""
+        return list({id(slot.module): slot.module for slot in self.all_slots()}.values())
+
+    def fqn_of(self, param: nn.Parameter) -> Optional[str]:
+        """The name (relative to the unit) under which this unit flattened ``param``, if it did."""
+        ref, fqn = self._managed_params.get(id(param), (None, None))
+        return fqn if ref is not None and ref() is param else None
+
+    def orig_params(self) -> List[nn.Parameter]:
+        """The original parameters, in flat order (first registrations; use_orig_params)."""
+        return [slot.live_param for slot in self.slots]
+
+    def materialize(self, views: Sequence[torch.Tensor]) -> None:
+        """Meta parameters become Parameters viewing ``views`` (their places in a new unsharded
+        buffer); every registration of a tied one gets the same new Parameter."""
+        replaced = {id(slot.live_param): nn.Parameter(view, requires_grad=slot.live_param.requires_grad)
+                    for slot, view in zip(self.slots, views)}
+        self.slots = tuple(dataclasses.replace(slot, param=replaced[id(slot.param)]) for slot in self.slots)
+        self.shared_slots = tuple(
+            (dataclasses.replace(slot, param=replaced[id(slot.param)]), i) for slot, i in self.shared_slots
+        )
+        for slot in self.all_slots():
+            slot.module._parameters[slot.attr] = slot.param
+
+    def _manage(self) -> None:
+        for slot in self.all_slots():
+            self._managed_params.setdefault(id(slot.param), (weakref.ref(slot.live_param), slot.fqn))
+        for slot in self.slots:
+            setattr(slot.param, FLATTENED, True)
+
+    def _adopt_param(self, index: int, param: nn.Parameter) -> None:
+        """``param`` replaced the original parameter of slot ``index`` (and its repeats)."""
+        old = self.slots[index].live_param
+        self.slots = tuple(dataclasses.replace(s, param=param) if i == index else s for i, s in enumerate(self.slots))
+        self.shared_slots = tuple(
+            (dataclasses.replace(s, param=param), i) if i == index else (s, i) for s, i in self.shared_slots
+        )
+        _, fqn = self._managed_params.pop(id(old))
+        self._managed_params[id(param)] = (weakref.ref(param), fqn)
+        setattr(param, FLATTENED, True)
+
+    @contextlib.contextmanager
+    def names_registered(self, placeholder: torch.Tensor) -> Iterator[None]:
+        """``placeholder`` under every original name in the modules' ``_parameters`` for the
+        duration, so that a state-dict save lists their keys where the plain model would."""
+        for slot in self.all_slots():
+            slot.module._parameters[slot.attr] = placeholder  # type: ignore[assignment]  # a stand-in, removed on exit
+        try:
+            yield
+        finally:
+            for slot in self.all_slots():
+                slot.module._parameters.pop(slot.attr, None)
+
+    def _register_flat_param(self, flat_param: nn.Parameter) -> None:
+        """The FlatParameter joins the owner in place of the originals."""
+        for slot in self.all_slots():
+            del slot.module._parameters[slot.attr]
+        self.owner._parameters[FLAT_PARAM] = flat_param
+
+    def install(self, tensors: Sequence[torch.Tensor], as_parameters: bool, through_setattr: bool = False) -> None:
+        """Register ``tensors`` under the original names: in ``_parameters`` (use_orig_params, and
+        inside summon_full_params, so the names stay visible), else as plain attributes. Frozen
+        original parameters get detached views, so autograd computes no gradient for them."""
+        for slot, tensor in zip(self.slots, tensors):
+            if as_parameters and slot.param is not None and not slot.param.requires_grad:
+                tensor = tensor.detach()
+            self._register(slot, tensor, as_parameters, through_setattr)
+        for slot, primary in self.shared_slots:
+            first = self.slots[primary]
+            source = first.module._parameters if as_parameters else first.module.__dict__
+            self._register(slot, source[first.attr], as_parameters, through_setattr)  # type: ignore[arg-type]  # set just above
+
+    def _register(self, slot: ParamSlot, tensor: torch.Tensor, as_parameter: bool, through_setattr: bool) -> None:
+        """``slot.module.<attr> = tensor``: straight into the module's dicts, or, ``through_setattr``
+        (a forward's views, and the original parameters coming back), through the module's own
+        ``__setattr__`` where its class overrides it, so that a cache keyed on assignment sees them
+        as under torch's FSDP1 (``FSDP_USE_UNSAFE_SETATTR=1`` skips it, as torch's). Placeholders and
+        the views backward re-installs never reach user code."""
+        module = slot.module
+        if through_setattr and id(module) in self._modules_with_setattr:
+            module._parameters.pop(slot.attr, None)
+            module.__dict__.pop(slot.attr, None)
+            setattr(module, slot.attr, tensor)
+            if as_parameter and slot.attr not in module._parameters:
+                module._parameters[slot.attr] = module.__dict__.pop(slot.attr)
+        elif as_parameter:
+            module._parameters[slot.attr] = tensor  # type: ignore[assignment]  # a view standing in for the Parameter
+        else:
+            module.__dict__[slot.attr] = tensor
+
+    # ----------------------------------------------------------------------------- phases
+    as_parameters: bool
+    """Whether the modules hold the forward's views as parameters (in ``_parameters``)."""
+
+    @abstractmethod
+    def aligned_numel(self, dtype: torch.dtype) -> int:
+        """The multiple each parameter's start in the flat layout is padded to (0: none)."""
+
+    @property
+    @abstractmethod
+    def span_requires_grad(self) -> Tuple[bool, ...]:
+        """Which parameters the optimizer's gradient must cover."""
+
+    @abstractmethod
+    def install_initial(self, flat_param: nn.Parameter, shard: torch.Tensor, unsharded: torch.Tensor, layout: ParamLayout) -> None:
+        """At construction, with the unsharded buffer still alive."""
+
+    @abstractmethod
+    def repoint(self, shard: torch.Tensor, layout: ParamLayout) -> None:
+        """The shard is a new tensor (construction, a dtype or device conversion)."""
+
+    @abstractmethod
+    def show_resting(self, unsharded: torch.Tensor, layout: ParamLayout) -> None:
+        """Outside the unit's computation, with ``unsharded`` (the shard itself when the unit is not
+        sharded) alive: it stays readable after an optimizer step changed the flat parameter."""
+
+    @abstractmethod
+    def show_sharded(self, shard: torch.Tensor, layout: ParamLayout) -> None:
+        """The unsharded storage was freed."""
+
+    @abstractmethod
+    def show_kept_gathered(self) -> None:
+        """After a forward whose unit stays gathered for its backward (the root, SHARD_GRAD_OP)."""
+
+    def sync_requires_grad(self) -> Optional[Tuple[bool, ...]]:
+        """The parameters' requires_grad now, if it changed since the last call (else None)."""
+        return None
+
+    def take_user_changes(self, is_gathered_for_backward: bool, rank: int) -> bool:
+        """Take into the shard what the user assigned to an original parameter; whether any was."""
+        return False
+
+    def show_grads(self, grad: Optional[torch.Tensor], layout: ParamLayout, start: int) -> None:
+        """The optimizer's gradient ``grad`` (over the shard from element ``start``) was handed over."""
+
+    def show_unreduced_grads(self, flat_grad: torch.Tensor, layout: ParamLayout) -> None:
+        """Inside ``no_sync``, after a backward: ``flat_grad`` holds this rank's unreduced sums."""
+
+    def every_grad_dropped(self) -> bool:
+        """Whether the user set every original parameter's ``.grad`` to None."""
+        return False
+
+    def take_user_grads(self) -> bool:
+        """Carry the user's changes of the original parameters' ``.grad`` into the optimizer's
+        gradient; False once every part is None (the gradient is then freed)."""
+        return True
+
+    @abstractmethod
+    def expose_full(self, flat_param: nn.Parameter, views: List[torch.Tensor]) -> List[nn.Parameter]:
+        """``summon_full_params``: the modules hold full parameters viewing ``views``."""
+
+    @abstractmethod
+    def hide_full(self, flat_param: nn.Parameter, shard: torch.Tensor, layout: ParamLayout) -> None:
+        """Leaving ``summon_full_params`` (the unsharded buffer is freed)."""
+
+    def registered_full_params(self, exposed: List[nn.Parameter]) -> List[nn.Parameter]:
+        """What the modules hold under each original name now: the parameter exposed, or one the
+        caller assigned in its place, whose values are then written back."""
+        registered = [slot.module._parameters.get(slot.attr) for slot in self.slots]
+        return [param if current is None else current for param, current in zip(exposed, registered)]
+
+    def adopt_replaced(self, exposed: List[nn.Parameter], registered: List[nn.Parameter]) -> None:
+        """A parameter assigned in place of an exposed one inside ``summon_full_params``."""
+
+    @contextlib.contextmanager
+    def flat_param_registered(self, flat_param: nn.Parameter, shard: torch.Tensor, layout: ParamLayout) -> Iterator[None]:
+        """Within, the owner holds the FlatParameter (so ``nn.Module._apply`` converts it)."""
+        yield
+
+
+class OrigParamViews(ParamViews):
+    """use_orig_params=True: the original Parameters stay, viewing the shard at rest."""
+
+    as_parameters = True
+
+    def __init__(self, slots: Sequence[ParamSlot], owner: nn.Module) -> None:
+        # frozen parameters last, so that the trainable ones' gradient is contiguous
+        super().__init__(sorted(slots, key=lambda slot: not slot.live_param.requires_grad), owner)
+        self._resting_views: List[torch.Tensor] = []  # what the originals view at rest
+        self._grad_views: List[Optional[torch.Tensor]] = []  # what their .grad views of the optimizer's gradient
+
+    def aligned_numel(self, dtype: torch.dtype) -> int:
+        return ALIGNMENT_BYTES // dtype.itemsize
+
+    @property
+    def span_requires_grad(self) -> Tuple[bool, ...]:
+        return self.requires_grad
+
+    def install_initial(self, flat_param: nn.Parameter, shard: torch.Tensor, unsharded: torch.Tensor, layout: ParamLayout) -> None:
+        self._manage()
+        self.repoint(shard, layout)
+
+    def repoint(self, shard: torch.Tensor, layout: ParamLayout) -> None:
+        self._resting_views = layout.local_views(shard)
+        with torch.no_grad():
+            for slot, view in zip(self.slots, self._resting_views):
+                slot.live_param.data = view
+
+    def _show_originals(self) -> None:
+        """The original Parameters under their names again, also where the caller assigned another."""
+        for slot in self.all_slots():
+            self._register(slot, slot.live_param, as_parameter=True, through_setattr=True)
+
+    def show_resting(self, unsharded: torch.Tensor, layout: ParamLayout) -> None:
+        self._show_originals()
+
+    def show_sharded(self, shard: torch.Tensor, layout: ParamLayout) -> None:
+        self._show_originals()
+
+    def show_kept_gathered(self) -> None:
+        self._show_originals()
+
+    def sync_requires_grad(self) -> Optional[Tuple[bool, ...]]:
+        requires_grad = tuple(slot.live_param.requires_grad for slot in self.slots)
+        if requires_grad == self.requires_grad:
+            return None
+        self.requires_grad = requires_grad
+        return requires_grad
+
+    def take_user_changes(self, is_gathered_for_backward: bool, rank: int) -> bool:
+        """As torch's: a new ``Parameter`` assigned in an original's place (it becomes the original;
+        its gradient starts empty) or new ``.data`` assigned to one. Either must have the shape the
+        parameter has at rest (its 1-D part of this rank's shard when sharded); anything else would
+        be dropped silently, so it raises. Between a forward and its backward while the unit stays
+        gathered the backward computes on the gathered values, so a change there is refused
+        (``is_gathered_for_backward``). One identity and one pointer check per parameter when
+        nothing changed."""
+        written = False
+        for index, (slot, view) in enumerate(zip(self.slots, self._resting_views)):
+            current = slot.module._parameters.get(slot.attr)
+            if current is None:  # deregistered for a while (a client's own checkpointing)
+                continue
+            if current is slot.param and (view.numel() == 0 or current.data_ptr() == view.data_ptr()):
+                continue
+            where = self.clean_fqn(slot)
+            if is_gathered_for_backward:
+                raise AssertionError(
+                    f"fsdp1: parameter '{where}' was changed between forward and backward; FSDP does not "
+                    "support changing the parameters between forward and backward for a unit that stays "
+                    "gathered for its backward (the root, and every unit under SHARD_GRAD_OP). Change it "
+                    "after backward()."
+                )
+            if current.shape != view.shape:
+                raise RuntimeError(
+                    f"fsdp1: Cannot writeback when the parameter shape changes: '{where}' is {tuple(current.shape)} "
+                    f"on rank {rank} but its part of this rank's shard is {tuple(view.shape)}. Assign values "
+                    "inside summon_full_params() (full shapes), or keep the shape the parameter has now."
+                )
+            with torch.no_grad():  # through ``.data``: the shard's version counter is the flat parameter's
+                view.data.copy_(current.detach())
+            if current is not slot.param:
+                self._adopt_param(index, current)
+            current.data = view
+            written = True
+        for slot, primary in self.shared_slots:
+            if slot.module._parameters.get(slot.attr, self.slots[primary].param) is not self.slots[primary].param:
+                raise NotImplementedError(
+                    f"fsdp1: '{self.clean_fqn(slot)}' and '{self.clean_fqn(self.slots[primary])}' shared one parameter when the unit was "
+                    "built, and one of them was replaced since; changing shared parameters after wrapping is "
+                    "not supported. Assign new values in place (param.data.copy_(...)) instead."
+                )
+        return written
+
+    def show_grads(self, grad: Optional[torch.Tensor], layout: ParamLayout, start: int) -> None:
+        """Views of ``grad`` on the original parameters (``None`` for frozen ones and for those with no
+        element in this rank's shard, as torch's)."""
+        if grad is None:
+            self._grad_views = []
+            for slot in self.slots:
+                slot.live_param.grad = None
+            return
+        self._grad_views = [
+            layout.local_view(grad, index, start) if requires_grad and info.in_shard else None
+            for index, (info, requires_grad) in enumerate(zip(layout.shard_infos, self.requires_grad))
+        ]
+        for slot, view in zip(self.slots, self._grad_views):
+            assign_grad(slot.live_param, view)
+
+    def show_unreduced_grads(self, flat_grad: torch.Tensor, layout: ParamLayout) -> None:
+        """Each original parameter's ``.grad`` is its full-shape part of the local sum, as torch's shows
+        it, for code that reads or clips gradients between micro-batches. Remade after every backward:
+        autograd may replace the accumulated tensor instead of adding into it."""
+        self._grad_views = []  # not the optimizer's gradient: nothing to write back into it
+        for slot, grad, requires_grad in zip(self.slots, layout.unflatten(flat_grad), self.requires_grad):
+            assign_grad(slot.live_param, grad if requires_grad else None)
+
+    def every_grad_dropped(self) -> bool:
+        return all(slot.live_param.grad is None for slot in self.slots)
+
+    def take_user_grads(self) -> bool:
+        if not self._grad_views:
+            return True
+        any_grad = False
+        with torch.no_grad():
+            for slot, view in zip(self.slots, self._grad_views):
+                if view is None:
+                    continue
+                grad = slot.live_param.grad
+                if grad is None:
+                    view.zero_()
+                    continue
+                any_grad = True
+                if grad is not view:
+                    view.copy_(grad)
+        return any_grad
+
+    def expose_full(self, flat_param: nn.Parameter, views: List[torch.Tensor]) -> List[nn.Parameter]:
+        exposed = self.orig_params()
+        for param, view in zip(exposed, views):
+            param.data = view
+        self._show_originals()
+        return exposed
+
+    def hide_full(self, flat_param: nn.Parameter, shard: torch.Tensor, layout: ParamLayout) -> None:
+        self.repoint(shard, layout)
+        self._show_originals()
+
+    def adopt_replaced(self, exposed: List[nn.Parameter], registered: List[nn.Parameter]) -> None:
+        for index, (param, current) in enumerate(zip(exposed, registered)):
+            if current is not param:
+                self._adopt_param(index, current)
+
+    @contextlib.contextmanager
+    def flat_param_registered(self, flat_param: nn.Parameter, shard: torch.Tensor, layout: ParamLayout) -> Iterator[None]:
+        self._register_flat_param(flat_param)
+        try:
+            yield
+        finally:
+            del self.owner._parameters[FLAT_PARAM]
+            self._show_originals()
+
+
+class FlatParamViews(ParamViews):
+    """use_orig_params=False: the FlatParameter replaces the originals in ``parameters()``."""
+
+    as_parameters = False
+
+    def __init__(self, slots: Sequence[ParamSlot], owner: nn.Module) -> None:
+        super().__init__(slots, owner)
+        self._placeholders: List[torch.Tensor] = []
+
+    def aligned_numel(self, dtype: torch.dtype) -> int:
+        return 0
+
+    @property
+    def span_requires_grad(self) -> Tuple[bool, ...]:
+        return (True,) * len(self.slots)  # one requires_grad for the whole flat parameter
+
+    def install_initial(self, flat_param: nn.Parameter, shard: torch.Tensor, unsharded: torch.Tensor, layout: ParamLayout) -> None:
+        self._manage()
+        self.repoint(shard, layout)
+        self._register_flat_param(flat_param)
+        # the originals are dropped, so that their full-size storage is freed
+        self.slots = tuple(dataclasses.replace(slot, param=None) for slot in self.slots)
+        self.shared_slots = tuple((dataclasses.replace(slot, param=None), i) for slot, i in self.shared_slots)
+        self.install(layout.unflatten(unsharded.detach()), as_parameters=False)
+
+    def repoint(self, shard: torch.Tensor, layout: ParamLayout) -> None:
+        self._shard = shard
+        self._placeholders = [ShardedParamPlaceholder(self.clean_fqn(s), shape, shard) for s, shape in zip(self.slots, layout.shapes)]
+
+    def set_path(self, path: str, layout: ParamLayout, is_resharded: bool) -> None:
+        super().set_path(path, layout, is_resharded)
+        self.repoint(self._shard, layout)  # the placeholders name the parameters by the new path
+        if is_resharded and layout.is_sharded:
+            self.install(self._placeholders, as_parameters=False)
+
+    def show_resting(self, unsharded: torch.Tensor, layout: ParamLayout) -> None:
+        self.install(layout.unflatten(unsharded.detach()), as_parameters=False)
+
+    def show_sharded(self, shard: torch.Tensor, layout: ParamLayout) -> None:
+        if layout.is_sharded:
+            self.install(self._placeholders, as_parameters=False)
+        else:  # views of the shard, which is the whole parameter (an offloaded one's device copy is freed)
+            self.show_resting(shard, layout)
+
+    def show_kept_gathered(self) -> None:
+        pass  # the forward's views stay: their storage is alive
+
+    def expose_full(self, flat_param: nn.Parameter, views: List[torch.Tensor]) -> List[nn.Parameter]:
+        exposed = [nn.Parameter(view, requires_grad=flat_param.requires_grad) for view in views]
+        del self.owner._parameters[FLAT_PARAM]
+        for slot in self.all_slots():
+            del slot.module.__dict__[slot.attr]
+        self.install(exposed, as_parameters=True)
+        return exposed
+
+    def hide_full(self, flat_param: nn.Parameter, shard: torch.Tensor, layout: ParamLayout) -> None:
+        self._register_flat_param(flat_param)
+
+
+def assign_grad(param: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
+    """``param.grad = grad``, also for a gradient kept in lower precision than the parameter
+    (keep_low_precision_grads) or of the full shape while the parameter is a shard (``no_sync``),
+    which autograd's setter refuses: it gets a stand-in of the right dtype and shape (no storage of
+    that size), whose data is then swapped, as torch's does."""
+    if grad is None or (grad.dtype, grad.shape) == (param.dtype, param.shape):
+        param.grad = grad
+        return
+    param.grad = torch.empty(1, dtype=param.dtype, device=param.device).expand(param.shape)
+    param.grad.data = grad
+
+
+def make_views(slots: Sequence[ParamSlot], owner: nn.Module, use_orig_params: bool) -> ParamViews:
+    return OrigParamViews(slots, owner) if use_orig_params else FlatParamViews(slots, owner)
+

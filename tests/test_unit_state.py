@@ -1,0 +1,43 @@
+"""Tests that the runtime serves any module that holds a ``UnitState``, not only the
+``FullyShardedDataParallel`` wrapper: a plain model whose blocks and root each own a state (as a
+``fully_shard``-style module would) trains exactly as torch's FSDP1 does with the same units."""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp1._flat_param import FlatParamHandle
+from fsdp1._mixed_precision import HandlePrecision
+from fsdp1._traversal import iter_param_slots
+from fsdp1._unit_state import UnitState
+from fsdp1.api import BackwardPrefetch, ShardingStrategy
+
+from _harness import run_on_ranks
+from _models import make_gpt, train, wrap_torch_fsdp
+
+
+def _own_unit_state(module: nn.Module) -> None:
+    """``module`` becomes a unit in place: its parameters (minus nested units') flattened and sharded,
+    its forward hooked, with no wrapper module around it."""
+    group = dist.group.WORLD
+    slots = list(iter_param_slots(module))
+    handle = FlatParamHandle(slots, module, group, None, is_sharded=True, use_orig_params=True,
+                             precision=HandlePrecision.of(None, torch.float32))
+    UnitState(module, module, handle, group, ShardingStrategy.FULL_SHARD, None, BackwardPrefetch.BACKWARD_PRE,
+              False, torch.device("cpu"), ())
+
+
+def _train_with_unit_states_and_torch_fsdp1():
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    ours = make_gpt()
+    for block in ours.blocks:
+        _own_unit_state(block)
+    _own_unit_state(ours)
+    torch_fsdp1 = wrap_torch_fsdp(make_gpt(), "FULL_SHARD", use_orig_params=True)
+    return train(ours, 3, world_size, rank), train(torch_fsdp1, 3, world_size, rank), type(ours).__name__
+
+
+def test_a_plain_module_holding_unit_states_trains_as_torch_fsdp1():
+    for ours, oracle, class_name in run_on_ranks(2, _train_with_unit_states_and_torch_fsdp1):
+        assert ours == oracle  # bitwise: the same losses over three Adam steps
+        assert class_name == "TinyGPT"  # the model kept its own class: no wrapper module
