@@ -52,6 +52,7 @@ class UnitState:
         self.ignored_modules = ignored_modules
         self.training_state = TrainingState.IDLE
         self.is_root: Optional[bool] = None  # decided lazily, at the first forward
+        self.nested_path: Optional[str] = None  # set when a unit is built around this one: the path from it
         self._root_state: Optional[RootState] = None
         self.sync_gradients = True
         self.awaits_pre_backward = False  # an output of this forward will call _pre_backward
@@ -77,8 +78,17 @@ class UnitState:
 
     @property
     def path(self) -> Optional[str]:
-        """The unit's clean path from its root, once the root is known."""
-        return self._root_state.path_of(self) if self._root_state is not None else None
+        """The unit's clean path from its root, once the root is known (before that, from the unit
+        built around it, if any)."""
+        return self._root_state.path_of(self) if self._root_state is not None else self.nested_path
+
+    def is_outermost(self) -> bool:
+        """Whether this unit is a root: no unit was built around it (then its root state is made now,
+        if no forward made it yet). A root-only API called on an inner unit before the first forward
+        is refused as after it, instead of making the inner unit a root of its own."""
+        if self.nested_path is None:
+            self.lazy_init()
+        return bool(self.is_root)
 
     def lazy_init(self) -> None:
         """Make this unit the root of every unit below it, the first time it is used from the outside."""
@@ -90,10 +100,14 @@ class UnitState:
             member._root_state = state
         state.buffers.use(full_precision=False)  # cast once, as torch's: full-precision evaluation sees them rounded
 
-    def forget_root(self) -> None:
-        """A new unit around this one makes it nested: its root is decided afresh."""
+    def nest(self, path: str) -> None:
+        """A unit was built around this one, which reaches it as ``path``: its root is decided afresh
+        (a unit used on its own before becomes nested), and messages name it by that path."""
         self.is_root = None
         self._root_state = None
+        self.nested_path = path
+        if self.handle is not None:
+            self.handle.set_path(path)
 
     def reset(self) -> None:
         """Sharded, IDLE and awaiting nothing, the gradients as before an aborted call; a unit inside
@@ -380,9 +394,3 @@ def adopt_replaced_flat_params(module: nn.Module) -> None:
         if unit.handle is not None:
             unit.handle.write_back_orig_params()  # first, as at a forward: adopting a new shard re-points the originals
             unit.handle.adopt_replaced_flat_param()
-
-
-def forget_roots(module: nn.Module) -> None:
-    """A new unit around units already used on their own makes them nested: decide roots afresh."""
-    for unit in unit_states(module):
-        unit.forget_root()

@@ -34,7 +34,7 @@ from ._process_groups import (
 from ._runtime import RootState
 from ._traversal import FSDP_WRAPPED_MODULE, ParamSlot, clean_fqn, fsdp_units, unit_name, unit_paths
 from ._unit_plan import auto_wrap, resolve_ignored_states, unit_param_slots
-from ._unit_state import UnitState, forget_roots, state_of
+from ._unit_state import UnitState, state_of
 from ._unshard import summon_full_params
 from .api import (
     BackwardPrefetch,
@@ -131,13 +131,11 @@ class FullyShardedDataParallel(nn.Module, OptimStateDictAPI):
         self._fsdp_wrapped_module = module
 
         # Runtime state, owned by the unit's state; the root is decided lazily, at the first forward.
-        forget_roots(module)
         UnitState(self, module, handle, groups.shard, strategy, mixed_precision, prefetch, forward_prefetch,
                   compute_device, self._ignored.modules)
         for unit, path in unit_paths(self).items():
-            nested = state_of(unit).handle
-            if nested is not None and unit is not self:
-                nested.set_path(path)
+            if unit is not self:
+                state_of(unit).nest(path)
 
         # State dicts: FULL by default, as torch's; the names are torch's, which clients read.
         self._state_dict_type = StateDictType.FULL_STATE_DICT
@@ -192,10 +190,6 @@ class FullyShardedDataParallel(nn.Module, OptimStateDictAPI):
 
     # ------------------------------------------------------------------------------ the unit's state
     # torch's attribute names, which clients and torch's own tests read; the ``UnitState`` owns them.
-    @property
-    def _fsdp_state(self) -> UnitState:
-        return state_of(self)
-
     @property
     def _handle(self) -> Optional[FlatParamHandle]:
         return state_of(self).handle
@@ -389,13 +383,13 @@ class FullyShardedDataParallel(nn.Module, OptimStateDictAPI):
         ``error_if_nonfinite`` (not in torch's FSDP1): a NaN or infinite norm raises on every rank
         before any gradient is scaled."""
         state = state_of(self)
-        root_state = state.root_state
-        if not state.is_root:
+        if not state.is_outermost():
             raise RuntimeError(
                 f"fsdp1: clip_grad_norm_() should only be called on the root FSDP instance, but was called on "
                 f"the inner FSDP unit '{state.path}'; call it on the model you run forward on, "
                 "which sees every unit's gradients."
             )
+        root_state = state.root_state
         if any(unit.training_state is not TrainingState.IDLE for unit in root_state.units):
             raise RuntimeError("fsdp1: clip_grad_norm_() was called during forward or backward; call it after backward().")
         for unit in root_state.units:
@@ -411,12 +405,12 @@ class FullyShardedDataParallel(nn.Module, OptimStateDictAPI):
         if not callable(hook):
             raise ValueError(f"fsdp1: register_comm_hook needs a callable hook, got {type(hook).__name__}.")
         this = state_of(self)
-        units = this.root_state.units
-        if not this.is_root:
+        if not this.is_outermost():
             raise AssertionError(
                 f"register_comm_hook can only be called on a root instance; '{this.path}' "
                 "is an inner unit. Call it on the model you run forward on."
             )
+        units = this.root_state.units
         for unit in units:
             if unit.sharding_strategy in HYBRID_STRATEGIES:
                 raise AssertionError(
@@ -438,12 +432,12 @@ class FullyShardedDataParallel(nn.Module, OptimStateDictAPI):
         kept meanwhile, so memory grows by one unsharded gradient per unit.
         """
         state = state_of(self)
-        units = state.root_state.units
-        if not state.is_root:
+        if not state.is_outermost():
             raise RuntimeError(
                 f"fsdp1: no_sync() was called on the inner FSDP unit '{state.path}'; it is only supported on "
                 "the root unit. Call it on the model you run forward on: `with model.no_sync(): ...`."
             )
+        units = state.root_state.units
         previous = [unit.sync_gradients for unit in units]
         for unit in units:
             unit.sync_gradients = False

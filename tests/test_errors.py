@@ -173,16 +173,36 @@ def _yes_for_linear(module):
     return "yes" if isinstance(module, nn.Linear) else False
 
 
-def _no_sync_on_inner_unit():
+def _no_sync_on_inner_unit(after_a_step=True):
     torch.manual_seed(0)  # every rank builds the same model, as FSDP requires
     model = FSDP(Blocks(), auto_wrap_policy=LinearPolicy)
-    model(torch.ones(1, 4)).sum().backward()
+    if after_a_step:
+        model(torch.ones(1, 4)).sum().backward()
     try:
         with model.blocks[1].no_sync():
             pass
     except RuntimeError as error:
         return str(error)
     return "no error"
+
+
+def _root_only_apis_on_an_inner_unit_before_any_forward():
+    """Before the first forward no unit is a root yet; an inner unit must still not become one."""
+    torch.manual_seed(0)  # every rank builds the same model, as FSDP requires
+    model = FSDP(Blocks(), auto_wrap_policy=LinearPolicy)
+    inner = model.blocks[1]
+    messages = []
+    for call, expected in [(lambda: inner.register_comm_hook(None, lambda state, grad, output: None), AssertionError),
+                           (lambda: inner.clip_grad_norm_(1.0), RuntimeError)]:
+        try:
+            call()
+            messages.append("no error")
+        except expected as error:
+            messages.append(str(error))
+    loss = model(torch.ones(1, 4)).sum()  # the real root still trains, with its own reduction
+    loss.backward()
+    grads_reduced = all(p.grad is not None for p in model.parameters())
+    return messages, grads_reduced
 
 
 def _double_backward():
@@ -276,6 +296,13 @@ class TestErrors(expecttest.TestCase):
     def test_no_sync_on_inner_unit(self):
         messages = run_on_ranks(2, _no_sync_on_inner_unit)
         self.assertExpectedInline(messages[0], """fsdp1: no_sync() was called on the inner FSDP unit 'blocks.1'; it is only supported on the root unit. Call it on the model you run forward on: `with model.no_sync(): ...`.""")
+        self.assertEqual(run_on_ranks(2, _no_sync_on_inner_unit, False), messages)  # also before any forward
+
+    def test_root_only_apis_on_an_inner_unit_before_any_forward(self):
+        for messages, grads_reduced in run_on_ranks(2, _root_only_apis_on_an_inner_unit_before_any_forward):
+            self.assertExpectedInline(messages[0], """register_comm_hook can only be called on a root instance; 'blocks.1' is an inner unit. Call it on the model you run forward on.""")
+            self.assertExpectedInline(messages[1], """fsdp1: clip_grad_norm_() should only be called on the root FSDP instance, but was called on the inner FSDP unit 'blocks.1'; call it on the model you run forward on, which sees every unit's gradients.""")
+            self.assertTrue(grads_reduced)
 
     def test_gradients_of_gradients(self):
         messages = run_on_ranks(2, _double_backward)
