@@ -2,14 +2,14 @@
 optimizer steps with, across backwards, ``no_sync`` and aborted iterations.
 
 ``FlatGrad`` owns every gradient tensor of one handle but the one autograd writes
-(``flat_param.grad`` while a backward runs), the reduction's configuration (communication hook,
-divide factors) and the reductions in flight (``GradReduction``). Its phases:
+(``flat_param.grad`` while a backward runs) and the reduction's configuration (communication hook,
+divide factors); it starts each reduction (a ``GradReduction``, which the root's state finishes in
+order). Its phases, and the only moves between them:
 
-    SHARDED ──backward begins──▶ BACKWARD ──finish──▶ SHARDED
-                                    │  ▲
-                     no_sync keeps  │  │ the next synchronised backward reduces it
-                                    ▼  │
-    LOCAL ◀──────────finish───── LOCAL_BACKWARD ◀──backward begins── LOCAL
+    SHARDED ──begin_backward──▶ BACKWARD ──finish_backward / abandon──▶ SHARDED
+    LOCAL ──begin_backward──▶ LOCAL_BACKWARD ──finish_backward / abandon──▶ LOCAL
+    BACKWARD ──keep_unreduced (no_sync)──▶ LOCAL_BACKWARD ──reduce──▶ BACKWARD
+    LOCAL ──every original parameter's .grad set to None──▶ SHARDED
 
 Every move goes through ``_move``, which refuses any other (an internal error naming the phases).
 """
