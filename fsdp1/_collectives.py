@@ -15,7 +15,7 @@ import weakref
 import zlib
 from collections import deque
 from datetime import timedelta
-from typing import Any, Callable, Deque, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Deque, List, NamedTuple, Optional, Protocol, Tuple
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,13 @@ from torch.distributed.device_mesh import DeviceMesh  # noqa: F401 (re-exported:
 
 ProcessGroup = dist.ProcessGroup
 Work = dist.Work
+
+
+class Waitable(Protocol):
+    """Something in flight that ``wait()`` finishes: a collective this module started, or what a
+    communication hook returned for one."""
+
+    def wait(self) -> object: ...
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

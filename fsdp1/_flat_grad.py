@@ -16,13 +16,13 @@ Every move goes through ``_move``, which refuses any other (an internal error na
 
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import Callable, Dict, FrozenSet, Optional, Tuple
+from typing import Callable, Dict, FrozenSet, Optional, Tuple, cast
 
 import torch
 
 from . import _collectives as comm
 from ._device import wait_for_device
-from ._layout import InFlight, ParamLayout
+from ._layout import ParamLayout
 from ._mixed_precision import HandlePrecision
 from ._shard_math import gradient_divide_factors
 from ._views import ParamViews, assign_grad
@@ -59,10 +59,10 @@ class CommHook:
     state: object
     casts_itself: bool
 
-    def reduce(self, grad: torch.Tensor, output: Optional[torch.Tensor]) -> Optional[InFlight]:
+    def reduce(self, grad: torch.Tensor, output: Optional[torch.Tensor]) -> Optional[comm.Waitable]:
         """Start (or do) the reduction; what is still in flight if the hook returned it, else None."""
         result = self.hook(self.state, grad) if output is None else self.hook(self.state, grad, output)
-        return result if callable(getattr(result, "wait", None)) else None  # type: ignore[return-value]  # duck-typed work
+        return cast(comm.Waitable, result) if callable(getattr(result, "wait", None)) else None
 
 
 @dataclass
@@ -70,7 +70,7 @@ class GradReduction:
     """A gradient reduce-scatter (or all-reduce) in flight for one unit."""
 
     grad: "FlatGrad"
-    work: Optional[InFlight]  # None: a comm hook finished it already
+    work: Optional[comm.Waitable]  # None: a comm hook finished it already
     unsharded_grad: torch.Tensor  # kept alive until the collective has read it
     reduced: torch.Tensor
 
@@ -266,7 +266,7 @@ class FlatGrad:
         if self._pre_divide > 1:
             grad.div_(self._pre_divide)
         if sharded:
-            work: InFlight = comm.reduce_scatter_into(reduced, grad, self._group, self.path)
+            work: comm.Waitable = comm.reduce_scatter_into(reduced, grad, self._group, self.path)
         else:
             work = comm.all_reduce(grad, self._group, self.path)
         return GradReduction(self, work, grad, reduced)

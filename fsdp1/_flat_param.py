@@ -27,7 +27,7 @@ from torch import nn
 
 from . import _collectives as comm
 from ._flat_grad import FlatGrad, to_host
-from ._layout import FlatShardLayout, InFlight
+from ._layout import FlatShardLayout
 from ._mixed_precision import HandlePrecision
 from ._shard_conversions import ShardConversions
 from ._traversal import ParamSlot
@@ -104,15 +104,11 @@ class FlatParamHandle:
     ) -> None:
         self.group = group
         self.replicate_group = replicate_group
-        self.rank = comm.group_rank(group)
-        self.world_size = comm.group_size(group)
-        self.is_sharded = is_sharded
         self.use_orig_params = use_orig_params
         self._owner = owner
         self.views = make_views(slots, owner, use_orig_params)
-        self.layout = FlatShardLayout(
-            self.views.shapes, self.views.aligned_numel(precision.param_dtype), self.rank, self.world_size, is_sharded
-        )
+        self.layout = FlatShardLayout(self.views.shapes, self.views.aligned_numel(precision.param_dtype),
+                                      comm.group_rank(group), comm.group_size(group), is_sharded)
         if materialize_in_place is not None:
             assert device is not None, "materializing in place needs the device to materialize on"
             unsharded = self.layout.new_unsharded(self.views.orig_params()[0].dtype, device)
@@ -140,7 +136,7 @@ class FlatParamHandle:
         self.state = HandleState.UNSHARDED
         if self._needs_unshard:
             self._free_unsharded()
-        self._gather_work: Optional[InFlight] = None
+        self._gather_work: Optional[comm.Waitable] = None
         self._forward_views: List[torch.Tensor] = []  # the last forward's, tied to autograd
 
     # ----------------------------------------------------------------------------- construction and queries
@@ -154,6 +150,10 @@ class FlatParamHandle:
         flat._padded_unsharded_size = torch.Size([layout.unsharded_numel])  # type: ignore[attr-defined]  # see FlatParameter
         flat._sharded_size = torch.Size([layout.shard_numel])  # type: ignore[attr-defined]  # see FlatParameter
         flat._shard_numel_padded = layout.span.numel_padded  # type: ignore[attr-defined]  # see FlatParameter
+
+    @property
+    def is_sharded(self) -> bool:
+        return self.layout.is_sharded
 
     @property
     def precision(self) -> HandlePrecision:
@@ -229,7 +229,7 @@ class FlatParamHandle:
     def write_back_orig_params(self, is_gathered_for_backward: bool = False) -> None:
         """Take into the shard what the user assigned to an original parameter at rest
         (use_orig_params); a gathered copy is then stale, and the next use gathers the new values."""
-        if self.views.take_user_changes(is_gathered_for_backward, self.rank) and self.holds_gathered_copy:
+        if self.views.take_user_changes(is_gathered_for_backward, self.layout.rank) and self.holds_gathered_copy:
             self.reshard()
 
     # ----------------------------------------------------------------------------- unshard / reshard

@@ -17,7 +17,7 @@ done inside ``all_gather`` and ``reduce_input``; nothing else in the handle chan
 """
 
 from abc import ABC, abstractmethod
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -32,9 +32,6 @@ from ._shard_math import (
     plan_flat_layout,
     shard_span,
 )
-
-InFlight = Union[comm.GuardedWork, comm.PairwiseExchange]
-"""A collective started and not yet waited for."""
 
 
 class ParamLayout(ABC):
@@ -71,7 +68,7 @@ class ParamLayout(ABC):
         return self.param_views(self.split(unsharded))
 
     @abstractmethod
-    def all_gather(self, unsharded: torch.Tensor, shard: torch.Tensor, group: comm.ProcessGroup, path: str) -> InFlight:
+    def all_gather(self, unsharded: torch.Tensor, shard: torch.Tensor, group: comm.ProcessGroup, path: str) -> comm.Waitable:
         """Start filling ``unsharded`` from every rank's ``shard``; the parameters' views of it are
         valid once the returned work is waited for."""
 
@@ -146,7 +143,7 @@ class FlatShardLayout(ParamLayout):
     def param_views(self, pieces: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         return [pieces[i].view(shape) for i, shape in zip(self._piece_of_param, self.shapes)]
 
-    def all_gather(self, unsharded: torch.Tensor, shard: torch.Tensor, group: comm.ProcessGroup, path: str) -> InFlight:
+    def all_gather(self, unsharded: torch.Tensor, shard: torch.Tensor, group: comm.ProcessGroup, path: str) -> comm.Waitable:
         return comm.all_gather_into(unsharded, shard, group, path)
 
     def reduce_input(self, unsharded_grad: torch.Tensor) -> torch.Tensor:

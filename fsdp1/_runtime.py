@@ -29,7 +29,7 @@ from . import _collectives as comm
 from ._common import TrainingState
 from ._flat_grad import GradReduction
 from ._mixed_precision import BufferPrecision
-from ._traversal import fsdp_units, unit_paths
+from ._traversal import unit_paths
 
 if TYPE_CHECKING:
     from ._unit_state import UnitState
@@ -167,8 +167,8 @@ class RootState:
     MAX_REDUCTIONS_IN_FLIGHT = 2
 
     def __init__(self, root: "UnitState", state_of: Callable[[torch.nn.Module], "UnitState"]) -> None:
-        self.units: List["UnitState"] = [state_of(module) for module in fsdp_units(root.owner)]
         self.unit_paths: Dict["UnitState", str] = {state_of(module): path for module, path in unit_paths(root.owner).items()}
+        self.units: List["UnitState"] = list(self.unit_paths)  # the root first, in ``modules()`` order
         self.root = root
         self.is_final_callback_queued = False
         self.is_unchecked_after_abort = False

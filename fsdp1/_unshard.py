@@ -60,12 +60,11 @@ def summon_full_params(
 
 
 def _check_idle(module: nn.Module, units: List[UnitState]) -> None:
-    paths = unit_paths(module)
     for unit in units:
         if unit.training_state is TrainingState.IDLE:
             continue
         path = unit.path
-        where = unit_name(paths.get(unit.owner, "?") if path is None else path)
+        where = unit_name(unit_paths(module).get(unit.owner, "?") if path is None else path)
         if unit.training_state is TrainingState.SUMMON_FULL_PARAMS:
             raise AssertionError(
                 f"fsdp1: Cannot manually unshard parameters when already unsharding parameters: "

@@ -9,7 +9,7 @@ object with ``wait()``), as the hooks here do, and the unit finishes it as late 
 own reduction, so a registered hook overlaps the rest of backward as the default path does.
 """
 
-from typing import Callable, Optional, Protocol
+from typing import Callable, Optional
 
 import torch
 
@@ -52,16 +52,10 @@ class LowPrecisionState(DefaultState):
         self.parameter_type = parameter_type
 
 
-class _Waitable(Protocol):
-    """A collective in flight (``comm``'s work, or another hook's ``_InFlight``)."""
-
-    def wait(self) -> object: ...
-
-
 class _InFlight:
     """A reduction a hook started: ``wait()`` finishes the collective, then what follows it."""
 
-    def __init__(self, work: _Waitable, then: Callable[[], None]) -> None:
+    def __init__(self, work: comm.Waitable, then: Callable[[], None]) -> None:
         self._work, self._then = work, then
 
     def wait(self) -> None:

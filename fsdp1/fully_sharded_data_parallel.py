@@ -179,11 +179,9 @@ class FullyShardedDataParallel(nn.Module, OptimStateDictAPI):
                 initialize(slots)
             return None, compute_device
         is_sharded = strategy in SHARDED_STRATEGIES and self.world_size > 1
-        first = slots[0].param
-        assert first is not None, "a unit's slots hold their parameters until the handle flattens them"
         handle = FlatParamHandle(
             slots, module, groups.shard, groups.replicate, is_sharded, use_orig_params,
-            HandlePrecision.of(mixed_precision, first.dtype), self.cpu_offload.offload_params,
+            HandlePrecision.of(mixed_precision, slots[0].live_param.dtype), self.cpu_offload.offload_params,
             materialize_in_place=initialize if meta_init.is_in_place else None, device=compute_device,
         )
         return handle, compute_device
