@@ -1,20 +1,25 @@
 """fsdp1: a standalone re-implementation of PyTorch's classic FullyShardedDataParallel (FSDP1).
 
-``import fsdp1 as fsdp`` offers the FSDP1 names of ``torch.distributed.fsdp``.
+``import fsdp1 as fsdp`` offers the names of ``torch.distributed.fsdp``: FSDP1's wrapper and its
+configuration, and FSDP2's ``fully_shard`` with its policies, on the same engine.
 """
 
 from . import comm_hooks, sharded_grad_scaler  # noqa: F401 - fsdp1.comm_hooks, fsdp1.sharded_grad_scaler
 from ._collectives import ProcessGroupBroken  # noqa: F401 - fsdp1's own, so not in torch's __all__
 from ._flat_param import FlatParameter  # noqa: F401 - importable, not in __all__, as in torch
+from ._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from ._torch_alias import use_as_torch_fsdp  # noqa: F401 - fsdp1's own, so not in torch's __all__
 from .api import (
     BackwardPrefetch,
     CPUOffload,
+    CPUOffloadPolicy,
     FullOptimStateDictConfig,
     FullStateDictConfig,
     LocalOptimStateDictConfig,
     LocalStateDictConfig,
     MixedPrecision,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
     OptimStateDictConfig,
     ShardedOptimStateDictConfig,
     ShardedStateDictConfig,
@@ -30,12 +35,16 @@ __version__ = "0.1.0"
 __all__ = [
     "BackwardPrefetch",
     "CPUOffload",
+    "CPUOffloadPolicy",
+    "FSDPModule",
     "FullOptimStateDictConfig",
     "FullStateDictConfig",
     "FullyShardedDataParallel",
     "LocalOptimStateDictConfig",
     "LocalStateDictConfig",
     "MixedPrecision",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
     "OptimStateDictConfig",
     "OptimStateKeyType",
     "ShardedOptimStateDictConfig",
@@ -44,4 +53,7 @@ __all__ = [
     "StateDictConfig",
     "StateDictSettings",
     "StateDictType",
+    "UnshardHandle",
+    "fully_shard",
+    "register_fsdp_forward_method",
 ]

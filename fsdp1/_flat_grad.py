@@ -107,11 +107,18 @@ class FlatGrad:
         replicas = comm.group_size(replicate_group) if replicate_group is not None else 1
         self._pre_divide, self._post_divide = gradient_divide_factors(layout.world_size * replicas)
         self.comm_hook: Optional[CommHook] = None  # register_comm_hook's, replacing the reduction
+        self.reduced_hook: Optional[Callable[[torch.Tensor], None]] = None  # fully_shard's all-reduce hook
+        self.requires_all_reduce = True  # hybrid: False leaves the replicas' all-reduce for a later backward
+        self._unreplicated: Optional[torch.Tensor] = None  # reductions the replicas have not summed yet
         self.phase = GradPhase.SHARDED
         self.span = self._trainable_span()
         self._before_backward: Optional[torch.Tensor] = None  # the optimizer's gradient, set aside
         self._this_backward: Optional[torch.Tensor] = None  # this backward's reduced gradient
         self._span_grad: Optional[torch.Tensor] = None  # the optimizer's gradient when the span is partial
+
+    def set_divide_factor(self, factor: float) -> None:
+        """Divide the summed gradient by ``factor``, once after the reduction, instead of averaging."""
+        self._pre_divide, self._post_divide = 1.0, factor
 
     def _move(self, phase: GradPhase) -> None:
         if phase is not self.phase and phase not in _MOVES[self.phase]:
@@ -273,14 +280,24 @@ class FlatGrad:
 
     def add_reduced(self, reduced: torch.Tensor) -> None:
         """A reduction finished: all-reduce it over the replicas (hybrid strategies), keep the span,
-        divide, cast and (offloaded) copy it to the CPU, and add it to this backward's gradient."""
+        divide, cast and (offloaded) copy it to the CPU, and add it to this backward's gradient.
+        Without ``requires_all_reduce`` a hybrid unit keeps the sum over its shard group apart, and
+        the next backward that all-reduces adds it in first (the gradient is unchanged until then)."""
         if self._replicate_group is not None:
+            if self._unreplicated is not None:
+                reduced += self._unreplicated
+                self._unreplicated = None
+            if not self.requires_all_reduce:
+                self._unreplicated = reduced
+                return
             comm.all_reduce(reduced, self._replicate_group, self.path).wait()
         if not self._span_is_whole_shard():  # frozen parameters keep no gradient
             lo, hi = self.span
             reduced = reduced[lo:hi].clone()
-        if self._post_divide > 1 and self.comm_hook is None:  # a hook divides as it sees fit
+        if self._post_divide != 1 and self.comm_hook is None:  # a hook divides as it sees fit
             reduced.div_(self._post_divide)
+        if self.reduced_hook is not None:
+            self.reduced_hook(reduced)
         if not (self._keeps_low_precision and not self._layout.is_sharded):  # NO_SHARD keeps it as reduced, as torch's
             reduced = reduced.to(self.precision.orig_dtype)
         if self._offloaded:

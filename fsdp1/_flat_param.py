@@ -26,8 +26,9 @@ import torch
 from torch import nn
 
 from . import _collectives as comm
+from ._dtensor_views import DTensorParamViews, RowSharding
 from ._flat_grad import FlatGrad, to_host
-from ._layout import FlatShardLayout
+from ._layout import FlatShardLayout, ParamLayout, RowShardLayout
 from ._mixed_precision import HandlePrecision
 from ._shard_conversions import ShardConversions
 from ._traversal import ParamSlot
@@ -83,6 +84,9 @@ class FlatParamHandle:
     With ``offload_params`` the shard and its gradient live on the CPU, where the optimizer steps
     them, and each gather copies the shard to the compute device first (a no-op when that is the CPU).
 
+    ``row_sharding`` (``fully_shard``) shards every parameter along its rows and shows it as a DTensor
+    on that mesh (``RowShardLayout``, ``DTensorParamViews``) instead of FSDP1's flat shard.
+
     ``materialize_in_place`` is given for a unit whose parameters are still on the meta device: the
     handle gives them storage inside the unsharded flat buffer on ``device`` and calls it with the
     new parameters' slots to fill them there (``reset_parameters``, then ``sync_module_states``), so
@@ -101,14 +105,20 @@ class FlatParamHandle:
         offload_params: bool = False,
         materialize_in_place: Optional[Callable[[Sequence[ParamSlot]], None]] = None,
         device: Optional[torch.device] = None,
+        row_sharding: Optional[RowSharding] = None,
     ) -> None:
         self.group = group
         self.replicate_group = replicate_group
         self.use_orig_params = use_orig_params
         self._owner = owner
-        self.views = make_views(slots, owner, use_orig_params)
-        self.layout = FlatShardLayout(self.views.shapes, self.views.aligned_numel(precision.param_dtype),
-                                      comm.group_rank(group), comm.group_size(group), is_sharded)
+        self.layout: ParamLayout
+        if row_sharding is None:  # FSDP1's flat parameter
+            self.views = make_views(slots, owner, use_orig_params)
+            self.layout = FlatShardLayout(self.views.shapes, self.views.aligned_numel(precision.param_dtype),
+                                          comm.group_rank(group), comm.group_size(group), is_sharded)
+        else:  # fully_shard's DTensor parameters
+            self.views = DTensorParamViews(slots, owner, row_sharding)
+            self.layout = RowShardLayout(self.views.shapes, comm.group_rank(group), comm.group_size(group))
         if materialize_in_place is not None:
             assert device is not None, "materializing in place needs the device to materialize on"
             unsharded = self.layout.new_unsharded(self.views.orig_params()[0].dtype, device)
@@ -149,7 +159,7 @@ class FlatParamHandle:
         flat._unpadded_unsharded_size = torch.Size([layout.unpadded_numel])  # type: ignore[attr-defined]  # see FlatParameter
         flat._padded_unsharded_size = torch.Size([layout.unsharded_numel])  # type: ignore[attr-defined]  # see FlatParameter
         flat._sharded_size = torch.Size([layout.shard_numel])  # type: ignore[attr-defined]  # see FlatParameter
-        flat._shard_numel_padded = layout.span.numel_padded  # type: ignore[attr-defined]  # see FlatParameter
+        flat._shard_numel_padded = layout.shard_padding_numel  # type: ignore[attr-defined]  # see FlatParameter
 
     @property
     def is_sharded(self) -> bool:
@@ -293,6 +303,12 @@ class FlatParamHandle:
         self._forward_views = self.layout.param_views(pieces)
         self.views.install(self._forward_views, as_parameters=self.views.as_parameters, through_setattr=True)
         return pieces[0].grad_fn
+
+    def show_unsharded(self) -> None:
+        """The module holds its parameters unsharded, as Parameters outside autograd (``unshard()``)."""
+        views = self.layout.unflatten(self._unsharded_buffer.detach())
+        self.views.install([nn.Parameter(view, requires_grad=requires_grad) for view, requires_grad in zip(views, self.views.requires_grad)],
+                           as_parameters=True)
 
     def use_forward_views(self) -> None:
         """The last forward's views again, for backward: activation checkpointing recomputes part of

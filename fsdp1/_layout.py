@@ -9,11 +9,13 @@ A layout answers the three questions the handle's collectives and views ask, and
 * where each original parameter's part of this rank's shard lives (``shard_infos``,
   ``local_views``), which the original parameters at rest, their gradients and the state dicts use.
 
+Both layouts keep the unsharded buffer parameter-major (``flat``: every parameter contiguous, in flat
+order, so that one split gives a forward all of them); they differ in what a rank holds.
 ``FlatShardLayout`` is FSDP1's: the parameters end to end, the concatenation split into equal runs,
 so that a rank's run may hold part of one parameter or parts of several, and the gathered order is
-the parameters' order. A layout that splits every parameter along its rows (FSDP2's ``Shard(0)``)
-answers the same questions with a permutation between the gathered order and the parameters' order,
-done inside ``all_gather`` and ``reduce_input``; nothing else in the handle changes for it.
+the parameters' order. ``RowShardLayout`` is FSDP2's ``Shard(0)``: every parameter split along its
+rows, a rank holding a padded row chunk of each; the collectives then see the ranks' chunks
+rank-major, and ``all_gather`` / ``reduce_input`` permute between that order and the buffer's.
 """
 
 from abc import ABC, abstractmethod
@@ -43,6 +45,7 @@ class ParamLayout(ABC):
     """
 
     shapes: Tuple[torch.Size, ...]
+    flat: FlatLayout  # where each parameter lies in the unsharded buffer
     shard_infos: Tuple[ParamShardInfo, ...]
     unsharded_numel: int
     shard_numel: int
@@ -54,14 +57,27 @@ class ParamLayout(ABC):
     def new_unsharded(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """An unsharded buffer whose padding holds its fill values; the parameters' views are uninitialised."""
 
-    @abstractmethod
+    def _plan_split(self) -> None:
+        self._split_sizes, self._piece_of_param = self.flat.split_sizes(self.unsharded_numel)
+
     def split(self, unsharded: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         """``unsharded`` split into pieces (one autograd node for all of them, so that a forward's
         views route every parameter's gradient into one unsharded gradient)."""
+        return torch.split(unsharded, list(self._split_sizes))
 
-    @abstractmethod
     def param_views(self, pieces: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         """Each parameter, in its own shape, as a view of the pieces ``split`` made."""
+        return [pieces[i].view(shape) for i, shape in zip(self._piece_of_param, self.shapes)]
+
+    @property
+    def unpadded_numel(self) -> int:
+        """Elements of the unsharded buffer before its tail padding."""
+        return self.unsharded_numel
+
+    @property
+    def shard_padding_numel(self) -> int:
+        """Elements of this rank's shard that belong to no parameter."""
+        return self.shard_numel - sum(info.numel_in_shard for info in self.shard_infos)
 
     def unflatten(self, unsharded: torch.Tensor) -> List[torch.Tensor]:
         """Each parameter, in its own shape, as a view of an unsharded buffer (or of its gradient)."""
@@ -95,7 +111,7 @@ class ParamLayout(ABC):
         return unsharded
 
     def shard_of(self, unsharded: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of an unsharded buffer (a view)."""
+        """This rank's shard of an unsharded buffer (a view where the layout allows one)."""
         start = self.rank * self.shard_numel if self.is_sharded else 0
         return unsharded[start : start + self.shard_numel]
 
@@ -130,18 +146,12 @@ class FlatShardLayout(ParamLayout):
         self.shard_numel = self.unsharded_numel // shard_world
         self.span: ShardSpan = shard_span(self.flat.numel, rank if is_sharded else 0, shard_world)
         self.shard_infos = param_shard_infos(self.flat, self.span)
-        self._split_sizes, self._piece_of_param = self.flat.split_sizes(self.unsharded_numel)
+        self._plan_split()
 
     def new_unsharded(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         unsharded = torch.full((self.unsharded_numel,), ALIGNMENT_PADDING_VALUE, dtype=dtype, device=device)
         unsharded[self.flat.numel :].zero_()
         return unsharded
-
-    def split(self, unsharded: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        return torch.split(unsharded, list(self._split_sizes))
-
-    def param_views(self, pieces: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-        return [pieces[i].view(shape) for i, shape in zip(self._piece_of_param, self.shapes)]
 
     def all_gather(self, unsharded: torch.Tensor, shard: torch.Tensor, group: comm.ProcessGroup, path: str) -> comm.Waitable:
         return comm.all_gather_into(unsharded, shard, group, path)
@@ -158,6 +168,99 @@ class FlatShardLayout(ParamLayout):
     def unpadded_numel(self) -> int:
         """Elements of the flat parameter before tail padding: what a LOCAL state dict describes."""
         return self.flat.numel
+
+    @property
+    def shard_padding_numel(self) -> int:
+        return self.span.numel_padded
+
+
+class RowShardLayout(ParamLayout):
+    """FSDP2's layout: every parameter split along dim 0 as ``torch.chunk`` splits it (DTensor's
+    ``Shard(0)``), each rank's chunk padded to ``ceil(rows / world_size)`` rows, and this rank's
+    shard the concatenation of its padded chunks, in flat order. That is the all-gather's input
+    as torch's FSDP2 lays it out, so every rank's shard and gradient are element for element torch's.
+
+    The unsharded buffer is parameter-major: parameter ``i`` at ``flat.offsets[i]``, followed by the
+    padding rows of its last chunks, so the buffer splits into the same views as FSDP1's. The
+    collectives order the ranks' shards rank-major (``[rank 0: p0 chunk, p1 chunk, ... | rank 1: ...]``);
+    ``all_gather`` copies that order out into the buffer once the collective is done, and
+    ``reduce_input`` copies the gradient into it. One copy each way, as torch's FSDP2 pays; its
+    copy into the all-gather's input is saved, since the shard already is that input.
+    """
+
+    def __init__(self, shapes: Sequence[torch.Size], rank: int, world_size: int) -> None:
+        self.shapes = tuple(shapes)
+        self.rank, self.world_size, self.is_sharded = rank, world_size, True
+        self.chunk_numels: Tuple[int, ...] = ()  # each parameter's padded chunk: a rank's part of the shard
+        infos, shard_offset = [], 0
+        self._held: List[Tuple[int, int]] = []  # the rows [start, end) of each parameter this rank holds
+        for shape in self.shapes:
+            rows, row_numel = shape[0], shape.numel() // shape[0] if shape[0] else 0
+            held = shard_span(rows, rank, world_size)
+            infos.append(ParamShardInfo(shard_offset, held.numel * row_numel, held.start * row_numel))
+            self._held.append((held.start, held.end))
+            self.chunk_numels += ((held.numel + held.numel_padded) * row_numel,)
+            shard_offset += self.chunk_numels[-1]
+        self.shard_infos = tuple(infos)
+        self.shard_numel = shard_offset
+        self.unsharded_numel = shard_offset * world_size
+        offsets = tuple(world_size * sum(self.chunk_numels[:i]) for i in range(len(self.shapes)))
+        self.flat = FlatLayout(offsets, tuple(shape.numel() for shape in self.shapes), self.unsharded_numel)
+        self._plan_split()
+
+    def new_unsharded(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.zeros(self.unsharded_numel, dtype=dtype, device=device)
+
+    def _rank_major(self, unsharded: torch.Tensor) -> List[torch.Tensor]:
+        """Each parameter's padded rows in ``unsharded`` as (world_size, chunk) views: row ``r``
+        is rank ``r``'s chunk."""
+        return [unsharded[offset : offset + self.world_size * chunk].view(self.world_size, chunk)
+                for offset, chunk in zip(self.flat.offsets, self.chunk_numels)]
+
+    def shard_of(self, unsharded: torch.Tensor) -> torch.Tensor:
+        return torch.cat([chunks[self.rank] for chunks in self._rank_major(unsharded)])
+
+    def all_gather(self, unsharded: torch.Tensor, shard: torch.Tensor, group: comm.ProcessGroup, path: str) -> comm.Waitable:
+        if self.world_size == 1:  # one rank: its shard is the buffer
+            return comm.all_gather_into(unsharded, shard, group, path)
+        gathered = torch.empty_like(unsharded)
+        return _CopiedOut(comm.all_gather_into(gathered, shard, group, path), gathered, self, unsharded)
+
+    def copy_out(self, gathered: torch.Tensor, unsharded: torch.Tensor) -> None:
+        """Rank-major ``gathered`` into the parameter-major ``unsharded``."""
+        torch.split_with_sizes_copy(gathered.view(self.world_size, self.shard_numel), list(self.chunk_numels), dim=1,
+                                    out=self._rank_major(unsharded))
+
+    def reduce_input(self, unsharded_grad: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return unsharded_grad
+        return torch.cat(self._rank_major(unsharded_grad), dim=1).view(-1)
+
+    def held_rows(self, index: int) -> Tuple[int, int]:
+        """The rows ``[start, end)`` of parameter ``index`` that this rank holds."""
+        return self._held[index]
+
+    def local_view(self, shard_like: torch.Tensor, index: int, start: int = 0) -> torch.Tensor:
+        info, shape = self.shard_infos[index], self.shapes[index]
+        piece = shard_like[info.offset_in_shard - start : info.offset_in_shard - start + info.numel_in_shard]
+        start_row, end_row = self._held[index]
+        return piece.view(end_row - start_row, *shape[1:])
+
+
+class _CopiedOut:
+    """An all-gather into a rank-major buffer, copied out into the parameter-major one on ``wait()``."""
+
+    def __init__(self, work: comm.Waitable, gathered: torch.Tensor, layout: RowShardLayout, unsharded: torch.Tensor) -> None:
+        self._work: Optional[comm.Waitable] = work
+        self._gathered, self._layout, self._unsharded = gathered, layout, unsharded
+
+    def wait(self) -> bool:
+        if self._work is not None:
+            work, self._work = self._work, None
+            work.wait()
+            self._layout.copy_out(self._gathered, self._unsharded)
+            del self._gathered
+        return True
 
 
 def piece_in_shard(info: ParamShardInfo, full_value: torch.Tensor) -> torch.Tensor:

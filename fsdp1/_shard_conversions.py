@@ -12,7 +12,7 @@ from typing import List, Optional, Protocol, Sequence, Tuple
 import torch
 
 from . import _collectives as comm
-from ._layout import FlatShardLayout, shard_of_values
+from ._layout import FlatShardLayout, ParamLayout, shard_of_values
 from ._redistribute import RowRedistribution
 from ._shard_math import ShardSpan, shard_span
 
@@ -30,7 +30,7 @@ class ShardHolder(Protocol):
 class ShardConversions:
     """Conversions between one unit's shard (or a tensor laid out as it) and per-parameter forms."""
 
-    def __init__(self, holder: ShardHolder, layout: FlatShardLayout, group: comm.ProcessGroup) -> None:
+    def __init__(self, holder: ShardHolder, layout: ParamLayout, group: comm.ProcessGroup) -> None:
         self._holder = holder
         self._layout = layout
         self._group = group
@@ -63,7 +63,7 @@ class ShardConversions:
 
     def local_flat_shard(self) -> torch.Tensor:
         """This rank's part of the unpadded flat parameter (a view of the shard; no copy)."""
-        return self._holder.local_shard[: self._layout.span.numel]
+        return self._holder.local_shard[: self._flat_shard_layout().span.numel]
 
     def load_local_flat_shard(self, local: torch.Tensor) -> None:
         """Copy ``local`` (this rank's unpadded flat part, as ``local_flat_shard`` gave it) into the shard."""
@@ -80,7 +80,7 @@ class ShardConversions:
             return [view.clone() for view in self._layout.unflatten(flat_shard)]
         flat_shard = flat_shard.to(self._holder.compute_device)  # an offloaded shard is gathered where the group works
         full = flat_shard.new_empty(self._layout.unsharded_numel)
-        comm.all_gather_into(full, flat_shard.contiguous(), self._group).wait()
+        self._layout.all_gather(full, flat_shard.contiguous(), self._group, "").wait()
         return self._layout.unflatten(full)
 
     def shard_of_full_values(self, values: Sequence[Optional[torch.Tensor]], like: torch.Tensor) -> torch.Tensor:
@@ -120,7 +120,13 @@ class ShardConversions:
         layout = self._layout
         return (layout.rank, layout.world_size) if layout.is_sharded else (0, 1)
 
+    def _flat_shard_layout(self) -> FlatShardLayout:
+        """The layout, for the conversions only FSDP1's flat shard has (fully_shard's parameters are
+        DTensors in rows already)."""
+        assert isinstance(self._layout, FlatShardLayout), "fully_shard units have no flat-shard state-dict forms"
+        return self._layout
+
     def _row_redistribution(self) -> RowRedistribution:
-        layout = self._layout
+        layout = self._flat_shard_layout()
         return RowRedistribution(layout.flat.offsets, layout.shapes, layout.flat.numel, *self._rank_in_row_layout(), self._group)
 

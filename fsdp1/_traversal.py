@@ -59,6 +59,13 @@ def is_fsdp_unit(module: nn.Module) -> bool:
     return getattr(type(module), "_is_fsdp_unit", False) or FSDP_STATE in module.__dict__
 
 
+def first_fully_shard_module(module: nn.Module) -> Optional[str]:
+    """The path of the first module in ``module``'s tree that ``fully_shard`` made a unit (it holds a
+    unit state without being a ``FullyShardedDataParallel``), if any."""
+    return next((name for name, m in module.named_modules()
+                 if FSDP_STATE in m.__dict__ and not getattr(type(m), "_is_fsdp_unit", False)), None)
+
+
 def fsdp_units(module: nn.Module, root_only: bool = False) -> List[nn.Module]:
     """Every unit in ``module``'s tree (``module.modules()`` order); only the outermost with ``root_only``."""
     units = [m for m in module.modules() if is_fsdp_unit(m)]

@@ -12,7 +12,8 @@ The hooks run eagerly under ``torch.compile``: dynamo breaks the graph at each o
 the module bodies between (``eager_only``).
 """
 
-from typing import Any, Collection, Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Collection, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -26,6 +27,24 @@ from ._mixed_precision import cast_floating_tensors
 from ._runtime import RootState, WeakPartial, current_graph_task, eager_only, inside_backward
 from ._traversal import FSDP_STATE, fsdp_units, iter_tensors, iter_unit_submodules
 from .api import BackwardPrefetch, MixedPrecision, ShardingStrategy
+
+
+@dataclass
+class UnitSchedule:
+    """When a unit reshards and which units it prefetches. FSDP1 derives it from the strategy and
+    the prefetch arguments; ``fully_shard`` and ``FSDPModule``'s setters set it per module."""
+
+    reshard_after_forward: Optional[bool]
+    """None: every unit but the root (FSDP1's FULL_SHARD, FSDP2's default)."""
+    reshard_after_no_grad_forward: bool = True
+    """FSDP1 reshards every unit after a forward without grad (no backward will come); FSDP2 keeps
+    ``reshard_after_forward`` then too, so the root stays gathered after an evaluation forward."""
+    reshard_after_backward: Optional[bool] = None
+    """None: unless ``no_sync`` keeps a SHARD_GRAD_OP unit gathered for the next micro-batch."""
+    forward_prefetch: Optional[List["UnitState"]] = None
+    """Units whose all-gather starts after this one's, in place of the recorded order."""
+    backward_prefetch: Optional[List["UnitState"]] = None
+    """Units whose backward all-gather starts at this one's, in place of the reverse forward order."""
 
 
 def state_of(module: nn.Module) -> "UnitState":
@@ -51,6 +70,8 @@ class UnitState:
         self.forward_prefetch = forward_prefetch
         self.compute_device = compute_device
         self.ignored_modules = ignored_modules
+        self.schedule = UnitSchedule(reshard_after_forward=None if sharding_strategy in RESHARD_AFTER_FORWARD else False)
+        self.output_dtype: Optional[torch.dtype] = None  # fully_shard's MixedPrecisionPolicy casts outputs to it
         self.training_state = TrainingState.IDLE
         self.is_root: Optional[bool] = None  # decided lazily, at the first forward
         self.nested_path: Optional[str] = None  # set when a unit is built around this one: the path from it
@@ -130,6 +151,19 @@ class UnitState:
             return self.handle.forces_full_precision
         return any(u.handle.forces_full_precision for u in self.root_state.units if u.handle is not None)
 
+    def convert(self, apply: Callable[[], nn.Module]) -> None:
+        """Run ``nn.Module._apply`` (``apply``: ``.to()``, ``.double()``, ...) on the unit's module with
+        the flat parameter registered in place of the originals, so that it converts the one tensor
+        that owns the storage; the handle then rebuilds every buffer and view from it."""
+        handle = self.handle
+        if handle is None:
+            apply()
+            return
+        with handle.flat_param_registered():
+            apply()
+        handle.adopt_converted_flat_param()
+        self.compute_device = handle.compute_device  # with offloading the shard stays on the CPU
+
     # ----------------------------------------------------------------------------- hook registration
     def register_post_backward_hook(self) -> None:
         """Reduce the unit's gradient as soon as autograd has accumulated it into the flat parameter.
@@ -193,7 +227,10 @@ class UnitState:
             if handle is not None:
                 state.order.record_pre_forward(self)
                 _gather(handle)
-                if self.forward_prefetch:
+                if self.schedule.forward_prefetch is not None:
+                    for unit in self.schedule.forward_prefetch:
+                        _prefetch(unit)
+                elif self.forward_prefetch:
                     _prefetch(state.order.next_in_forward(self))
                 gradient_node = handle.use_unsharded_views()
                 self.register_post_backward_hook()
@@ -250,23 +287,21 @@ class UnitState:
 
     @eager_only
     def post_forward(self, module: nn.Module, args: Tuple[Any, ...], output: Any) -> Any:
-        """End the unit's forward. A forward without grad has no backward to come, so every unit, the
-        root and SHARD_GRAD_OP ones included, reshards at once; otherwise FULL_SHARD units reshard and
-        the root stays gathered for backward, and so does any unit that is not sharded, unless it
-        computes on a low-precision copy, which a cast remakes for backward (torch's frees it too).
-        The module always sees its original parameters again."""
+        """End the unit's forward: reshard or stay gathered for backward as the schedule says (FSDP1:
+        FULL_SHARD units reshard, the root and SHARD_GRAD_OP ones stay, and after a forward without
+        grad, which no backward follows, every unit reshards). A unit that is not sharded but
+        computes on a low-precision copy reshards too: a cast remakes the copy for backward (torch's
+        frees it too)."""
         with record_function("FSDP::post_forward"):
             handle = self.handle
             if handle is not None:
                 self.root_state.order.record_post_forward(self)
-                if (
-                    not torch.is_grad_enabled()
-                    or (self.sharding_strategy in RESHARD_AFTER_FORWARD and not self.is_root)
-                    or handle.computes_on_low_precision_copy
-                ):
+                if self._reshards_after_forward() or handle.computes_on_low_precision_copy:
                     handle.reshard()
                 else:
                     handle.keep_gathered_for_backward()
+            if self.output_dtype is not None:
+                output = cast_floating_tensors(self.output_dtype, output)
             if torch.is_grad_enabled():
                 for tensor in iter_tensors(output):
                     if tensor.requires_grad:
@@ -274,6 +309,14 @@ class UnitState:
                         self.awaits_pre_backward = True
             self.training_state = TrainingState.IDLE
             return output
+
+    def _reshards_after_forward(self) -> bool:
+        schedule = self.schedule
+        if not torch.is_grad_enabled() and schedule.reshard_after_no_grad_forward:
+            return True
+        if schedule.reshard_after_forward is None:
+            return not self.is_root
+        return schedule.reshard_after_forward
 
     # ----------------------------------------------------------------------------- backward
     def _pre_backward(self, grad: torch.Tensor) -> None:
@@ -297,7 +340,10 @@ class UnitState:
                 handle.write_back_orig_params(is_gathered_for_backward=handle.holds_gathered_copy)
                 _gather(handle)
                 handle.use_forward_views()
-                if self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+                if self.schedule.backward_prefetch is not None:
+                    for unit in self.schedule.backward_prefetch:
+                        _prefetch_for_backward(unit)
+                elif self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
                     _prefetch_for_backward(state.order.next_in_backward(self))
 
     def _post_backward(self, flat_param: torch.Tensor) -> None:
@@ -333,12 +379,14 @@ class UnitState:
             state.add_reduction(handle.grad.reduce())
         else:
             handle.grad.keep_unreduced()
-        if self.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+        if self.backward_prefetch is BackwardPrefetch.BACKWARD_POST and self.schedule.backward_prefetch is None:
             _prefetch_for_backward(state.order.next_in_backward(self))
 
     @property
     def _reshards_after_backward(self) -> bool:
         """Inside ``no_sync`` SHARD_GRAD_OP keeps parameters unsharded for the next micro-batch."""
+        if self.schedule.reshard_after_backward is not None:
+            return self.schedule.reshard_after_backward
         return self.sync_gradients or self.sharding_strategy in RESHARD_AFTER_FORWARD + (ShardingStrategy.NO_SHARD,)
 
     def finish_backward(self) -> None:

@@ -111,13 +111,17 @@ class ParamViews(ABC):
         for slot in self.slots:
             setattr(slot.param, FLATTENED, True)
 
-    def _adopt_param(self, index: int, param: nn.Parameter) -> None:
-        """``param`` replaced the original parameter of slot ``index`` (and its repeats)."""
-        old = self.slots[index].live_param
+    def _replace_param(self, index: int, param: nn.Parameter) -> None:
+        """``param`` stands for slot ``index``'s parameter under every name it has."""
         self.slots = tuple(dataclasses.replace(s, param=param) if i == index else s for i, s in enumerate(self.slots))
         self.shared_slots = tuple(
             (dataclasses.replace(s, param=param), i) if i == index else (s, i) for s, i in self.shared_slots
         )
+
+    def _adopt_param(self, index: int, param: nn.Parameter) -> None:
+        """``param`` replaced the original parameter of slot ``index`` (and its repeats)."""
+        old = self.slots[index].live_param
+        self._replace_param(index, param)
         _, fqn = self._managed_params.pop(id(old))
         self._managed_params[id(param)] = (weakref.ref(param), fqn)
         setattr(param, FLATTENED, True)

@@ -30,6 +30,9 @@ __all__ = [
     "LocalOptimStateDictConfig",
     "ShardedOptimStateDictConfig",
     "StateDictSettings",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "CPUOffloadPolicy",
 ]
 
 
@@ -73,6 +76,34 @@ class CPUOffload:
     """Whether the sharded parameters (and so their gradients and the optimizer step) live on CPU."""
 
     offload_params: bool = False
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """``fully_shard``'s mixed precision: ``param_dtype`` for the all-gather and the computation,
+    ``reduce_dtype`` for the gradient reduction (None: the gradient's dtype), ``output_dtype`` for
+    the module's floating-point outputs, and ``cast_forward_inputs`` to cast every fully_shard
+    module's floating-point inputs to ``param_dtype``. The sharded parameters, their gradients and
+    the buffers keep their own dtype."""
+
+    param_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
+    output_dtype: Optional[torch.dtype] = None
+    cast_forward_inputs: bool = True
+
+
+@dataclass
+class OffloadPolicy:
+    """``fully_shard``'s default: nothing is offloaded."""
+
+
+@dataclass
+class CPUOffloadPolicy(OffloadPolicy):
+    """The sharded parameters and their gradients live on the CPU, where the optimizer steps them;
+    each all-gather copies the shard to the compute device first. ``pin_memory`` pins the CPU copies
+    where a GPU exists (on a CPU-only host there is nothing to move, and it is accepted)."""
+
+    pin_memory: bool = True
 
 
 class StateDictType(Enum):

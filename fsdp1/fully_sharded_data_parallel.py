@@ -32,7 +32,7 @@ from ._process_groups import (
     resolve_sharding_strategy,
 )
 from ._runtime import RootState
-from ._traversal import FSDP_WRAPPED_MODULE, ParamSlot, clean_fqn, fsdp_units, unit_name, unit_paths
+from ._traversal import FSDP_WRAPPED_MODULE, ParamSlot, clean_fqn, first_fully_shard_module, fsdp_units, unit_name, unit_paths
 from ._unit_plan import auto_wrap, resolve_ignored_states, unit_param_slots
 from ._unit_state import UnitState, state_of
 from ._unshard import summon_full_params
@@ -88,6 +88,13 @@ class FullyShardedDataParallel(nn.Module, OptimStateDictAPI):
     ) -> None:
         super().__init__()
         # Check everything before touching the module.
+        sharded = first_fully_shard_module(module)
+        if sharded is not None:
+            raise ValueError(
+                f"fsdp1: cannot wrap a module that contains the fully_shard module '{sharded or type(module).__name__}' in "
+                "FullyShardedDataParallel: a model uses FullyShardedDataParallel or fully_shard, not both. Build the "
+                "model again and use one (fully_shard the root too, instead of wrapping it)."
+            )
         if mixed_precision is not None:
             mixed_precision = checked_precision(coerce_config(mixed_precision, MixedPrecision, "mixed_precision"))
         check_param_init_fn(param_init_fn)
@@ -292,14 +299,8 @@ class FullyShardedDataParallel(nn.Module, OptimStateDictAPI):
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "FullyShardedDataParallel":
         """``.to()``, ``.double()``, ``.half()`` and friends convert the flat parameter, and the handle
         rebuilds every buffer and view from it, so that all of them keep one dtype and device."""
-        state = state_of(self)
-        if state.handle is None:
-            return super()._apply(fn, recurse)
-        with state.handle.flat_param_registered():
-            result = super()._apply(fn, recurse)
-        state.handle.adopt_converted_flat_param()
-        state.compute_device = state.handle.compute_device  # with offloading the shard stays on the CPU
-        return result
+        state_of(self).convert(lambda: super(FullyShardedDataParallel, self)._apply(fn, recurse))
+        return self
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[Tuple[str, nn.Parameter]]:
         """``nn.Module.named_parameters``; inside ``summon_full_params`` under the unwrapped model's

@@ -15,6 +15,7 @@ LAYERS = [
     ["_redistribute", "comm_hooks", "sharded_grad_scaler", "checkpoint", "_mixed_precision"],
     ["_layout"],
     ["_shard_conversions", "_views"],
+    ["_dtensor_views"],
     ["_flat_grad"],
     ["_flat_param"],
     ["_process_groups", "_unit_plan"],
@@ -25,7 +26,7 @@ LAYERS = [
     ["_state_dict", "_optim_params"],
     ["_optim_state_dict"],
     ["_optim_state_dict_api"],
-    ["fully_sharded_data_parallel"],
+    ["fully_sharded_data_parallel", "_fully_shard"],
     ["_torch_alias"],
     ["__init__"],
 ]

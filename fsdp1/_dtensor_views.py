@@ -1,0 +1,184 @@
+"""What a ``fully_shard`` module's parameters are: DTensors over its mesh at rest, plain unsharded
+tensors while it computes.
+
+``DTensorParamViews`` is the third kind of ``ParamViews``. At rest every original name holds a
+DTensor ``nn.Parameter`` (``Shard(0)``, after ``Replicate()`` on a 2-D mesh) whose local tensor is
+a view of this rank's rows in the unit's shard, so an optimizer built on ``model.parameters()``
+updates the shard in place; its ``.grad`` is a DTensor viewing the sharded gradient the same way.
+A forward installs plain views of the unsharded buffer, which stay registered as long as the unit
+stays gathered (the root after its forward, a unit told not to reshard), as torch's FSDP2 leaves
+its unsharded parameters registered.
+"""
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple, cast
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement
+
+from ._layout import ParamLayout
+from ._traversal import ParamSlot
+from ._views import FLATTENED, OrigParamViews
+
+
+def contiguous_stride(shape: Sequence[int]) -> Tuple[int, ...]:
+    stride, running = [], 1
+    for size in reversed(shape):
+        stride.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+@dataclass(frozen=True)
+class RowSharding:
+    """How a ``fully_shard`` unit shows its parameters: DTensors on ``mesh`` with ``placements``."""
+
+    mesh: DeviceMesh
+    placements: Tuple[Placement, ...]
+
+    def dtensor(self, local: torch.Tensor, shape: torch.Size) -> DTensor:
+        """``local`` (this rank's rows) as the DTensor of global ``shape``; the shape is given, not
+        inferred, since uneven rows would make every rank infer its own (a hang, pytorch#149138)."""
+        return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=shape,
+                                  stride=contiguous_stride(shape))
+
+
+class DTensorParamViews(OrigParamViews):
+    """fully_shard: DTensor parameters at rest, viewing the shard; the forward's plain views while
+    the unit is gathered."""
+
+    def __init__(self, slots: Sequence[ParamSlot], owner: nn.Module, sharding: RowSharding) -> None:
+        super().__init__(slots, owner)
+        self.sharding = sharding
+        self._grad_dtensors: List[Optional[DTensor]] = []  # the .grad DTensors shown, by parameter
+        self.replaced_ids: Dict[str, int] = {}  # id of each original Parameter the DTensors replaced, by name
+        self._installed: Optional[List[torch.Tensor]] = None  # what install() registered; None: the DTensors
+
+    def install_initial(self, flat_param: nn.Parameter, shard: torch.Tensor, unsharded: torch.Tensor, layout: ParamLayout) -> None:
+        self._resting_views = layout.local_views(shard)
+        for index, (slot, view) in enumerate(zip(self.slots, self._resting_views)):
+            self.replaced_ids[slot.fqn] = id(slot.live_param)
+            setattr(slot.live_param, FLATTENED, True)
+            param = nn.Parameter(self.sharding.dtensor(view, slot.live_param.shape),
+                                 requires_grad=slot.live_param.requires_grad)
+            self._replace_param(index, param)
+        self._manage()
+        self._show_originals()
+
+    def repoint(self, shard: torch.Tensor, layout: ParamLayout) -> None:
+        """The same Parameter objects (an optimizer holds them) now view the new shard, in its dtype
+        and on its device."""
+        self._resting_views = layout.local_views(shard)
+        for slot, view in zip(self.slots, self._resting_views):
+            param = slot.live_param
+            moved = self.sharding.dtensor(view, param.shape)
+            if (param.dtype, param.device) != (view.dtype, view.device):
+                param.data = moved  # the wrapper's own dtype and device
+            _point(param, moved)
+
+    def install(self, tensors: Sequence[torch.Tensor], as_parameters: bool, through_setattr: bool = False) -> None:
+        super().install(tensors, as_parameters, through_setattr)
+        self._installed = list(tensors)
+
+    def _show_originals(self) -> None:
+        super()._show_originals()
+        self._installed = None
+
+    def show_kept_gathered(self) -> None:
+        pass  # the forward's views stay registered, as torch's FSDP2 leaves the unsharded parameters
+
+    def take_user_changes(self, is_gathered_for_backward: bool, rank: int) -> bool:
+        """A DTensor Parameter assigned in an original's place (``load_state_dict(assign=True)``,
+        ``module.weight = ...``) becomes the original: its values are copied into the shard, which
+        it then views. Anything but a DTensor of the same global shape is refused."""
+        written = False
+        for index, (slot, view) in enumerate(zip(self.slots, self._resting_views)):
+            current = slot.module._parameters.get(slot.attr)
+            if current is None or (self._installed is not None and current is self._installed[index]):
+                continue  # deregistered for a while, or the unit's own unsharded view
+            if current is slot.param and _local_of(current) is view:
+                continue
+            where = self.clean_fqn(slot)
+            if not isinstance(current, DTensor) or current.shape != slot.live_param.shape:
+                shape = tuple(current.shape)
+                raise RuntimeError(
+                    f"fsdp1: '{where}' of a fully_shard module was replaced by a {type(current).__name__} of shape "
+                    f"{shape}; it must stay a DTensor of shape {tuple(slot.live_param.shape)}. Assign values in place "
+                    "(param.copy_(...)), or load them with load_state_dict()."
+                )
+            with torch.no_grad():  # through ``.data``: the shard's version counter is the flat parameter's
+                view.data.copy_(current.to_local().reshape(view.shape))
+            if current is not slot.param:
+                self._adopt_param(index, current)
+            _point(current, self.sharding.dtensor(view, current.shape))
+            written = True
+        return written
+
+    def show_grads(self, grad: Optional[torch.Tensor], layout: ParamLayout, start: int) -> None:
+        """DTensor gradients viewing ``grad`` (over the shard from element ``start``): every rank gets
+        one for every trainable parameter, an empty local one where it holds no rows, so that
+        collectives over the gradients (``clip_grad_norm_``) run alike on every rank."""
+        self._grad_views, self._grad_dtensors = [], []
+        for index, (slot, requires_grad) in enumerate(zip(self.slots, self.requires_grad)):
+            param, local, shown = slot.live_param, None, None
+            if grad is not None and requires_grad:
+                info = layout.shard_infos[index]
+                local = layout.local_view(grad, index, start) if info.in_shard else grad.new_empty((0, *param.shape[1:]))
+                shown = self.sharding.dtensor(local, param.shape)
+            self._grad_views.append(local)
+            self._grad_dtensors.append(shown)
+            param.grad = shown
+        if grad is None:
+            self._grad_views = []
+
+    def show_unreduced_grads(self, flat_grad: torch.Tensor, layout: ParamLayout) -> None:
+        """An unsynchronised backward leaves no ``.grad`` on the sharded parameters, as torch's FSDP2:
+        the unreduced sum stays with the unit until a backward synchronises it."""
+        self._grad_views, self._grad_dtensors = [], []
+        for slot in self.slots:
+            slot.live_param.grad = None
+
+    def every_grad_dropped(self) -> bool:
+        return False  # a zero_grad() between unsynchronised backwards leaves their sum, as torch's FSDP2
+
+    def take_user_grads(self) -> bool:
+        if not self._grad_views:
+            return True
+        any_grad = False
+        with torch.no_grad():
+            for slot, local, shown in zip(self.slots, self._grad_views, self._grad_dtensors):
+                if local is None:
+                    continue
+                grad = slot.live_param.grad
+                if grad is None:
+                    local.zero_()
+                    continue
+                any_grad = True
+                if grad is not shown:
+                    local.copy_(grad.to_local() if isinstance(grad, DTensor) else grad)
+        return any_grad
+
+    def expose_full(self, flat_param: nn.Parameter, views: List[torch.Tensor]) -> List[nn.Parameter]:
+        """Plain full Parameters under the original names; the DTensor originals come back on exit."""
+        exposed = [nn.Parameter(view, requires_grad=requires_grad) for view, requires_grad in zip(views, self.requires_grad)]
+        self.install(exposed, as_parameters=True)
+        return exposed
+
+    def hide_full(self, flat_param: nn.Parameter, shard: torch.Tensor, layout: ParamLayout) -> None:
+        self._show_originals()
+
+    def adopt_replaced(self, exposed: List[nn.Parameter], registered: List[nn.Parameter]) -> None:
+        pass  # the values were written back; the originals stay the DTensors the optimizer holds
+
+
+def _local_of(param: torch.Tensor) -> Optional[torch.Tensor]:
+    return param._local_tensor if isinstance(param, DTensor) else None
+
+
+def _point(param: nn.Parameter, like: DTensor) -> None:
+    """``param`` (a DTensor Parameter) takes ``like``'s local tensor and placement metadata in place."""
+    dtensor = cast(DTensor, param)
+    dtensor._local_tensor = like._local_tensor
+    dtensor._spec = like._spec

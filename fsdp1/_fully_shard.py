@@ -1,0 +1,465 @@
+"""``fully_shard``: torch's FSDP2 API on fsdp1's engine.
+
+``fully_shard(module)`` makes ``module`` a unit in place: its parameters (minus those of modules
+sharded before it, and ``ignored_params``) go into one ``FlatParamHandle`` whose layout shards every
+parameter along its rows (``RowShardLayout``) and whose views are DTensors over the mesh
+(``DTensorParamViews``); the module holds its own ``UnitState``, so the runtime is the one
+``FullyShardedDataParallel`` units run on; and its class becomes ``FSDP<Class>``, a subclass of both
+``FSDPModule`` and the original class, which carries FSDP2's methods. Modules are sharded bottom-up:
+blocks first, then the root, whose first forward makes it the root of every unit below it.
+"""
+
+import contextlib
+import functools
+import warnings
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple, Type, Union
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+from . import _collectives as comm
+from ._common import TrainingState
+from ._dtensor_views import DTensorParamViews, RowSharding
+from ._flat_param import FlatParamHandle
+from ._layout import RowShardLayout
+from ._mixed_precision import HandlePrecision
+from ._traversal import FSDP_STATE, ParamSlot, is_fsdp_unit, iter_outermost_units, iter_param_slots
+from ._unit_state import UnitState, state_of
+from ._unshard import summon_full_params
+from .api import BackwardPrefetch, CPUOffloadPolicy, MixedPrecision, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy
+
+
+class UnshardHandle:
+    """What ``unshard(async_op=True)`` returns: ``wait()`` finishes the all-gather and registers the
+    unsharded parameters. A forward waits for one nobody waited for."""
+
+    def __init__(self, state: UnitState) -> None:
+        self._state: Optional[UnitState] = state
+
+    def wait(self) -> None:
+        state, self._state = self._state, None
+        if state is not None and state.handle is not None:
+            state.handle.wait_unshard()
+            state.handle.show_unsharded()
+
+
+class FSDPModule(nn.Module):
+    """The methods ``fully_shard`` gives a module (its class becomes ``FSDP<Class>``, a subclass of
+    this and of the original class). Each acts on this module's group alone unless it says so.
+    Never built directly: its ``nn.Module`` base only lets these methods use the module's own."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        """Building an instance of an ``FSDP<Class>`` (a container's slicing does, ``type(self)(...)``)
+        builds the original class: a new module is not sharded."""
+        original = cls.__mro__[2]
+        return original(*args, **kwargs)
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> Any:
+        raise AssertionError("FSDP does not support deepcopy")  # torch's message and type
+
+    # ----------------------------------------------------------------------------- gathering
+    def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
+        """All-gather this module's parameters (not its sharded submodules'); with ``async_op`` return
+        a handle to wait on, else wait. Afterwards the module holds them unsharded."""
+        state = _state(self)
+        if state.handle is None:
+            return UnshardHandle(state) if async_op else None
+        state.handle.unshard()
+        handle = UnshardHandle(state)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters; the module holds the sharded DTensors again."""
+        handle = _state(self).handle
+        if handle is not None:
+            handle.reshard()
+
+    @contextlib.contextmanager
+    def summon_full_params(self, writeback: bool = True, rank0_only: bool = False, offload_to_cpu: bool = False,
+                           with_grads: bool = False) -> Iterator[None]:
+        """Within, every parameter of this module's tree is a plain full ``nn.Parameter`` (torch's
+        FSDP2 offers only ``full_tensor()`` per parameter); on exit with ``writeback`` changes are
+        kept. Collective."""
+        with summon_full_params(self, recurse=True, writeback=writeback, rank0_only=rank0_only,
+                                offload_to_cpu=offload_to_cpu, with_grads=with_grads):
+            yield
+
+    # ----------------------------------------------------------------------------- gradients
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """False: backward keeps each rank's gradient unreduced and accumulating (DDP's ``no_sync``);
+        the next backward with True reduces the sum."""
+        for state in _states(self, recurse):
+            state.sync_gradients = requires_gradient_sync
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """``set_requires_gradient_sync(False)`` for the duration, as FSDP1's and DDP's ``no_sync``."""
+        states = _states(self, recurse=True)
+        previous = [state.sync_gradients for state in states]
+        self.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            for state, sync in zip(states, previous):
+                state.sync_gradients = sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: False reduce-scatters but leaves the all-reduce over the replicas to a later backward,
+        which adds the kept sums first."""
+        for state in _states(self, recurse):
+            if state.handle is not None:
+                state.handle.grad.requires_all_reduce = requires_all_reduce
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted. torch's FSDP2 skips waiting for its reductions at the end of a backward that is
+        not the last; fsdp1 finishes every backward, which gives the same gradients."""
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide the summed gradient by ``factor`` instead of averaging over the ranks (any backend)."""
+        for state in _states(self, recurse=True):
+            if state.handle is not None:
+                state.handle.grad.set_divide_factor(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        warnings.warn("set_reduce_scatter_divide_factor is deprecated; use set_gradient_divide_factor", FutureWarning, stacklevel=2)
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Accepted: fsdp1's collectives always sum, and divide apart."""
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Optional[Any] = None) -> None:
+        """``hook(reduced)`` on this module's reduced gradient shard, once per backward, after the
+        all-reduce over the replicas (HSDP) or the reduce-scatter."""
+        handle = _state(self).handle
+        if handle is not None:
+            handle.grad.reduced_hook = hook
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """Accepted: fsdp1 reduces the whole group's gradient, with zeros for unused parameters."""
+
+    def set_reduce_scatter_max_input_buffers(self, max_buffers: int, *, recurse: bool = True) -> None:
+        """Accepted: fsdp1 keeps at most two reductions in flight, each finished before the next
+        unsharded gradient is made."""
+        if max_buffers < 1:
+            raise ValueError(f"fsdp1: set_reduce_scatter_max_input_buffers needs at least 1 buffer, got {max_buffers}.")
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """Accepted: a stream-level overlap; fsdp1 issues every collective on the unit's group."""
+
+    # ----------------------------------------------------------------------------- schedule
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Whether the parameters are freed after forward (and gathered again in backward)."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}")  # torch's
+        for state in _states(self, recurse):
+            state.schedule.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """False keeps the parameters gathered after backward (for the next micro-batch)."""
+        for state in _states(self, recurse):
+            state.schedule.reshard_after_backward = reshard_after_backward
+
+    def set_modules_to_forward_prefetch(self, modules: List["FSDPModule"]) -> None:
+        """Start these modules' all-gathers right after this module's, in forward."""
+        _state(self).schedule.forward_prefetch = [_state(module, "set_modules_to_forward_prefetch") for module in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: List["FSDPModule"]) -> None:
+        """Start these modules' all-gathers at this module's backward, in place of the next module
+        in reverse forward order."""
+        _state(self).schedule.backward_prefetch = [_state(module, "set_modules_to_backward_prefetch") for module in modules]
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Accepted. torch's FSDP2 can skip the backward all-gather of a module whose backward does
+        not read its parameters; fsdp1 gathers it, which gives the same gradients."""
+
+    def set_post_optim_event(self, event: Any) -> None:
+        """Accepted: CUDA-stream ordering only (fsdp1 issues every collective on the compute stream)."""
+
+    def reset_iter_state(self) -> None:
+        """After an exception in forward or backward: finish the collectives in flight, drop the
+        iteration's gradients and reshard (fsdp1 also does this by itself at the next forward)."""
+        state = _state(self)
+        if not state.is_outermost():
+            raise RuntimeError("reset_iter_state() may only be called on the root FSDP module")
+        if not state.root_state.is_clean():
+            state.root_state.recover()
+
+    # ----------------------------------------------------------------------------- not supported yet
+    def set_custom_all_gather(self, comm: Any) -> None:
+        raise NotImplementedError("fsdp1: set_custom_all_gather (a custom all-gather) is not supported yet.")
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        raise NotImplementedError("fsdp1: set_custom_reduce_scatter (a custom reduce-scatter) is not supported yet.")
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        raise NotImplementedError("fsdp1: set_allocate_memory_from_process_group_for_comm (NCCL buffers) is not supported yet.")
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        raise NotImplementedError("fsdp1: set_symm_mem_for_comm (symmetric memory) is not supported yet.")
+
+    # ----------------------------------------------------------------------------- nn.Module
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+        """``.to()``, ``.double()``, ``to_empty()``: the shard is converted, and the DTensor
+        parameters (the same objects) view it in its new dtype and device."""
+        _state(self).convert(lambda: super(FSDPModule, self)._apply(fn, recurse))
+        return self
+
+
+def _state(module: Any, api: str = "") -> UnitState:
+    if not isinstance(module, FSDPModule):
+        raise ValueError(f"fsdp1: {api or 'this call'} takes modules that fully_shard was applied to, got {type(module).__name__}.")
+    return state_of(module)
+
+
+def _states(module: "FSDPModule", recurse: bool) -> List[UnitState]:
+    if not recurse:
+        return [_state(module)]
+    return [state_of(m) for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+_FSDP_CLASSES: Dict[Type[nn.Module], Type[nn.Module]] = {}
+"""``FSDP<Class>`` per original class, made once: every sharded module of a class shares one, as
+under torch's (a class per call would make ``type(a) is type(b)`` false for two blocks)."""
+
+
+def _fsdp_class(cls: Type[nn.Module]) -> Type[nn.Module]:
+    if cls not in _FSDP_CLASSES:
+        _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    return _FSDP_CLASSES[cls]
+
+
+def fully_shard(
+    module: Union[nn.Module, List[nn.Module]],
+    *,
+    mesh: Optional[comm.DeviceMesh] = None,
+    reshard_after_forward: Optional[Union[bool, int]] = None,
+    shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]] = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+    offload_policy: OffloadPolicy = OffloadPolicy(),
+    ignored_params: Optional[Set[nn.Parameter]] = None,
+    dp_mesh_dims: Optional[Any] = None,
+) -> Any:
+    """Shard ``module``'s parameters (those not in a module sharded before) as one group over
+    ``mesh``, in place, and return it: torch's ``fully_shard`` on fsdp1's engine.
+
+    Every parameter becomes a DTensor ``nn.Parameter`` (``Shard(0)``; ``(Replicate(), Shard(0))`` on
+    a 2-D mesh, which shards over its second dimension and all-reduces over its first), gathered
+    around the module's forward and backward, its gradient reduced to this rank's rows.
+    """
+    if isinstance(module, list):
+        raise NotImplementedError("fsdp1: fully_shard of a list of modules (one group for several modules) is not supported yet.")
+    _check_module(module)
+    if dp_mesh_dims is not None:
+        raise NotImplementedError("fsdp1: fully_shard(dp_mesh_dims=...) (parameters that are already DTensors) is not supported yet.")
+    mesh = _default_mesh() if mesh is None else mesh
+    groups = comm.mesh_groups(mesh)
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}")  # torch's
+    shard_group = groups[-1]
+    replicate_group = groups[0] if mesh.ndim == 2 else None
+    placements: Tuple[Placement, ...] = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
+    after_forward = _reshard_after_forward(reshard_after_forward, comm.group_size(shard_group))
+    policy = _mixed_precision_policy(mp_policy)
+    offload = _offload_policy(offload_policy)
+    slots = _managed_slots(module, set(ignored_params or ()), shard_placement_fn)
+
+    handle = None
+    if slots:
+        orig_dtype = slots[0].live_param.dtype
+        precision = HandlePrecision(orig_dtype, policy.param_dtype, policy.reduce_dtype)
+        handle = FlatParamHandle(slots, module, shard_group, replicate_group, is_sharded=True, use_orig_params=True,
+                                 precision=precision, offload_params=isinstance(offload, CPUOffloadPolicy),
+                                 row_sharding=RowSharding(mesh, placements))
+    compute_device = handle.compute_device if handle is not None else torch.device(mesh.device_type)
+    mixed_precision = None
+    if policy.param_dtype is not None or policy.reduce_dtype is not None:
+        mixed_precision = MixedPrecision(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype,
+                                         cast_forward_inputs=policy.cast_forward_inputs,
+                                         cast_root_forward_inputs=policy.cast_forward_inputs)
+    strategy = ShardingStrategy.FULL_SHARD if replicate_group is None else ShardingStrategy.HYBRID_SHARD
+    state = UnitState(module, module, handle, shard_group, strategy, mixed_precision, BackwardPrefetch.BACKWARD_PRE,
+                      False, compute_device, ())
+    state.schedule.reshard_after_forward = after_forward
+    state.schedule.reshard_after_no_grad_forward = False
+    state.output_dtype = policy.output_dtype
+    for path, inner in iter_outermost_units(module):
+        state_of(inner).nest(path)
+    _register_state_dict_hooks(module, state)
+    module.__class__ = _fsdp_class(type(module))
+    return module
+
+
+def _check_module(module: nn.Module) -> None:
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"fsdp1: fully_shard takes an nn.Module or a list of them, got {type(module).__name__}.")
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        raise ValueError(  # torch's type and phrase
+            f"fully_shard does not support containers that do not implement forward: {module}. "
+            f"fsdp1: shard each module inside the {type(module).__name__} instead."
+        )
+    if FSDP_STATE in module.__dict__:
+        what = "fully_shard was already applied to it" if isinstance(module, FSDPModule) else "it is a FullyShardedDataParallel unit"
+        raise ValueError(f"fsdp1: cannot fully_shard a {type(module).__name__}: {what}. Shard each module once.")
+    for name, inner in module.named_modules():
+        if getattr(type(inner), "_is_fsdp_unit", False):
+            raise ValueError(
+                f"fsdp1: cannot fully_shard a module that contains the FullyShardedDataParallel unit '{name}': a "
+                "model uses FullyShardedDataParallel or fully_shard, not both. Build the model again and use one."
+            )
+
+
+def _default_mesh() -> comm.DeviceMesh:
+    """A 1-D mesh over the default group (no new group), on the accelerator if there is one."""
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return comm.device_mesh_of(comm.default_group(), device_type)
+
+
+def _reshard_after_forward(value: Optional[Union[bool, int]], shard_size: int) -> Optional[bool]:
+    """None, True or False as given; an int ``k`` is False for 1, True for the shard size, and
+    resharding onto ``k`` ranks otherwise, which is not supported yet."""
+    if value is None or isinstance(value, bool):
+        return value
+    if not isinstance(value, int):
+        raise ValueError(f"fsdp1: reshard_after_forward must be None, a bool or an int, got {type(value).__name__}.")
+    if value == 1:
+        warnings.warn("reshard_after_forward=1 is the same as False: the parameters stay gathered after forward.", stacklevel=3)
+        return False
+    if value == shard_size:
+        return True
+    if value < 1 or shard_size % value != 0:
+        raise ValueError(  # torch's type
+            f"reshard_after_forward={value} must be a positive divisor of the shard world size {shard_size}. "
+            "fsdp1: pass True, False or a divisor of the number of ranks each parameter is sharded over."
+        )
+    raise NotImplementedError(
+        f"fsdp1: reshard_after_forward={value} (resharding onto {value} ranks after forward) is not supported yet; "
+        "pass True (free after forward) or False (keep gathered)."
+    )
+
+
+def _mixed_precision_policy(policy: Any) -> MixedPrecisionPolicy:
+    """fsdp1's policy, or torch's converted field by field."""
+    if type(policy) is MixedPrecisionPolicy:
+        return policy
+    if type(policy).__name__ != "MixedPrecisionPolicy":
+        raise ValueError(f"fsdp1: mp_policy must be a MixedPrecisionPolicy, got {type(policy).__name__}.")
+    return MixedPrecisionPolicy(policy.param_dtype, policy.reduce_dtype, policy.output_dtype, policy.cast_forward_inputs)
+
+
+def _offload_policy(policy: Any) -> OffloadPolicy:
+    if isinstance(policy, OffloadPolicy):
+        return policy
+    name = type(policy).__name__
+    if name == "CPUOffloadPolicy":
+        return CPUOffloadPolicy(pin_memory=policy.pin_memory)
+    if name == "OffloadPolicy":
+        return OffloadPolicy()
+    raise ValueError(f"fsdp1: offload_policy must be an OffloadPolicy or CPUOffloadPolicy, got {name}.")
+
+
+def _managed_slots(module: nn.Module, ignored: Set[nn.Parameter], placement_fn: Optional[Callable[[nn.Parameter], Any]]) -> List[ParamSlot]:
+    """The registrations of the parameters this group shards: ``module``'s, minus those of modules
+    sharded before it and the ignored ones. Refused: a scalar, a parameter that is already a DTensor
+    (tensor parallelism), a placement other than ``Shard(0)``, a parameter tied to one another group
+    manages (which would split one weight over two groups)."""
+    ignored_ids = {id(p) for p in ignored}
+    owners = _params_of_sharded_modules(module)
+    slots = []
+    for slot in iter_param_slots(module, stop=is_fsdp_unit):
+        param = slot.live_param
+        if id(param) in ignored_ids:
+            continue
+        if id(param) in owners:
+            raise ValueError(
+                f"fsdp1: parameter '{slot.fqn}' is shared with the parameter '{owners[id(param)]}', which the "
+                "fully_shard module there already manages: one weight cannot be split over two groups. Do not "
+                "fully_shard that module on its own (its parameters then belong to this group), or untie the weight."
+            )
+        if param.dim() == 0:
+            raise ValueError(f"fully_shard doesn't support scalar parameters. Change {slot.fqn} to a 1D tensor with numel equal to 1.")
+        if isinstance(param, DTensor):
+            raise NotImplementedError(
+                f"fsdp1: parameter '{slot.fqn}' is already a DTensor (tensor parallelism); fully_shard of DTensor "
+                "parameters is not supported yet."
+            )
+        if placement_fn is not None:
+            placement = placement_fn(param)
+            if placement is not None and placement != Shard(0):
+                raise NotImplementedError(
+                    f"fsdp1: shard_placement_fn gave {placement} for '{slot.fqn}'; only Shard(0) (or None) is supported yet."
+                )
+        slots.append(slot)
+    return slots
+
+
+def _params_of_sharded_modules(module: nn.Module) -> Dict[int, str]:
+    """id of each original parameter that a module sharded before (inside ``module``) replaced,
+    with its name from ``module``: a tied registration outside that module still holds it."""
+    owners: Dict[int, str] = {}
+    for name, inner in module.named_modules():
+        handle = state_of(inner).handle if inner is not module and isinstance(inner, FSDPModule) else None
+        if handle is not None and isinstance(handle.views, DTensorParamViews):
+            for fqn, param_id in handle.views.replaced_ids.items():
+                owners[param_id] = f"{name}.{fqn}"
+    return owners
+
+
+def _register_state_dict_hooks(module: nn.Module, state: UnitState) -> None:
+    """``state_dict()`` reads the sharded DTensors (a module kept gathered reshards first, as torch's);
+    ``load_state_dict()`` copies DTensors into them in place, also takes plain full tensors (each
+    rank keeps its rows; torch's refuses them, pytorch#136336), and adopts what ``assign=True``
+    registered."""
+    handle = state.handle
+    if handle is None:
+        return
+    views = handle.views
+    layout = handle.layout
+    assert isinstance(views, DTensorParamViews) and isinstance(layout, RowShardLayout), "fully_shard's handle"
+
+    def before_save(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if state.training_state is TrainingState.IDLE:
+            handle.write_back_orig_params()
+            handle.reshard()
+
+    def before_load(module: nn.Module, state_dict: Dict[str, Any], prefix: str, *args: Any) -> None:
+        handle.reshard()
+        for fqn, index in views.slot_fqns():
+            key = prefix + fqn
+            value = state_dict.get(key)
+            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == layout.shapes[index]:
+                start, end = layout.held_rows(index)
+                state_dict[key] = views.sharding.dtensor(value[start:end], layout.shapes[index])
+
+    def after_load(module: nn.Module, incompatible_keys: Any) -> None:
+        handle.write_back_orig_params()
+
+    module.register_state_dict_pre_hook(before_save)
+    module.register_load_state_dict_pre_hook(before_load)
+    module.register_load_state_dict_post_hook(after_load)
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Run ``module.<method_name>`` as a forward of its unit (gathered around it), as torch's; a
+    no-op on a module that is not a fully_shard module. fsdp1 already gathers around calls of the
+    module and its submodules from outside (``generate()`` works without this); a method that reads
+    the module's own parameters directly needs it."""
+    if not isinstance(module, FSDPModule):
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(f"{type(module)} does not have a method {method_name}")  # torch's
+    method = getattr(module, method_name)
+    state = state_of(module)
+
+    @functools.wraps(method)
+    def as_forward(*args: Any, **kwargs: Any) -> Any:
+        if state.training_state is not TrainingState.IDLE:
+            return method(*args, **kwargs)
+        args, kwargs = state.pre_forward(module, args, kwargs)
+        return state.post_forward(module, args, method(*args, **kwargs))
+
+    setattr(module, method_name, as_forward)
+
