@@ -86,6 +86,13 @@ class DTensorParamViews(OrigParamViews):
         super()._show_originals()
         self._installed = None
 
+    def show_resting(self, unsharded: torch.Tensor, layout: ParamLayout) -> None:
+        """Gathered outside a computation (``unshard()``, ``set_reshard_after_backward(False)``): the
+        unsharded parameters, as Parameters outside autograd, as torch's FSDP2 registers them."""
+        views = layout.unflatten(unsharded.detach())
+        self.install([nn.Parameter(view, requires_grad=requires_grad) for view, requires_grad in zip(views, self.requires_grad)],
+                     as_parameters=True)
+
     def show_kept_gathered(self) -> None:
         pass  # the forward's views stay registered, as torch's FSDP2 leaves the unsharded parameters
 
@@ -135,10 +142,14 @@ class DTensorParamViews(OrigParamViews):
 
     def show_unreduced_grads(self, flat_grad: torch.Tensor, layout: ParamLayout) -> None:
         """An unsynchronised backward leaves no ``.grad`` on the sharded parameters, as torch's FSDP2:
-        the unreduced sum stays with the unit until a backward synchronises it."""
+        the unreduced sum stays with the unit until a backward synchronises it, and shows on the
+        unsharded parameters if the unit stays gathered."""
         self._grad_views, self._grad_dtensors = [], []
         for slot in self.slots:
             slot.live_param.grad = None
+        if self._installed is not None:
+            for param, grad, requires_grad in zip(self._installed, layout.unflatten(flat_grad), self.requires_grad):
+                param.grad = grad if requires_grad else None
 
     def every_grad_dropped(self) -> bool:
         return False  # a zero_grad() between unsynchronised backwards leaves their sum, as torch's FSDP2

@@ -304,11 +304,6 @@ class FlatParamHandle:
         self.views.install(self._forward_views, as_parameters=self.views.as_parameters, through_setattr=True)
         return pieces[0].grad_fn
 
-    def show_unsharded(self) -> None:
-        """The module holds its parameters unsharded, as Parameters outside autograd (``unshard()``)."""
-        views = self.layout.unflatten(self._unsharded_buffer.detach())
-        self.views.install([nn.Parameter(view, requires_grad=requires_grad) for view, requires_grad in zip(views, self.views.requires_grad)],
-                           as_parameters=True)
 
     def use_forward_views(self) -> None:
         """The last forward's views again, for backward: activation checkpointing recomputes part of

@@ -41,7 +41,7 @@ class UnshardHandle:
         state, self._state = self._state, None
         if state is not None and state.handle is not None:
             state.handle.wait_unshard()
-            state.handle.show_unsharded()
+            state.handle.use_resting_views()  # fully_shard's at rest while gathered: the unsharded parameters
 
 
 class FSDPModule(nn.Module):
@@ -141,11 +141,11 @@ class FSDPModule(nn.Module):
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
         """Accepted: fsdp1 reduces the whole group's gradient, with zeros for unused parameters."""
 
-    def set_reduce_scatter_max_input_buffers(self, max_buffers: int, *, recurse: bool = True) -> None:
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """Accepted: fsdp1 keeps at most two reductions in flight, each finished before the next
         unsharded gradient is made."""
-        if max_buffers < 1:
-            raise ValueError(f"fsdp1: set_reduce_scatter_max_input_buffers needs at least 1 buffer, got {max_buffers}.")
+        if max_input_buffers < 1:
+            raise ValueError(f"fsdp1: set_reduce_scatter_max_input_buffers needs at least 1 buffer, got {max_input_buffers}.")
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         """Accepted: a stream-level overlap; fsdp1 issues every collective on the unit's group."""

@@ -1,0 +1,286 @@
+"""Tests checkpoints of fsdp1's ``fully_shard`` (FSDP2's API on fsdp1's engine), each against ground
+truth: torch's own ``fully_shard`` trained identically, DDP, the plain model, or the run that wrote
+the checkpoint and went on training.
+
+- ``model.state_dict()``: torch's keys in torch's order, DTensor parameters (``Shard(0)``, torch's
+  global shapes, bitwise torch's local rows) and plain buffers; ``load_state_dict`` round trips,
+  into fsdp1's and torch's ``fully_shard`` alike.
+- DCP through ``torch.distributed.checkpoint.state_dict``'s helpers, model and AdamW: a checkpoint
+  written by fsdp1's ``fully_shard`` resumes in fsdp1's and in torch's, and torch's resumes in
+  fsdp1's, each continuing bit for bit as the writer did.
+- FSDP1 → FSDP2 migration: a SHARDED_STATE_DICT checkpoint of fsdp1's ``FullyShardedDataParallel``
+  resumes in ``fully_shard``, and back, bit for bit.
+- Full state dicts (``full_state_dict=True``, with ``cpu_offload`` and ``broadcast_from_rank0``):
+  the unsharded model's values (bitwise DDP's), and they load back.
+- Beyond torch: plain full tensors (an unsharded model's ``state_dict()``) load into fsdp1's
+  ``fully_shard`` model and train on exactly as when loaded through DTensors; torch's refuses them.
+- ``fsdp1.checkpoint`` saves and loads a ``fully_shard`` model's state (also in the background), and
+  ``python -m tools.checkpoint`` inspects and consolidates a checkpoint DCP wrote from one.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fsdp1
+from fsdp1 import FullyShardedDataParallel as FSDP
+from fsdp1 import StateDictType
+
+from _harness import run_on_ranks
+from _models import VOCAB, TinyGPT, batch, global_batch, lm_loss, train_steps, wrap_fsdp1
+from tools import checkpoint as checkpoint_tool
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+
+REPO = Path(__file__).resolve().parents[1]
+FULLY_SHARD = {"fsdp1": fsdp1.fully_shard, "torch": torch_fully_shard}
+STEPS = 2  # before the checkpoint, and again after it
+
+
+class BufferedGPT(TinyGPT):
+    """TinyGPT whose logits are scaled by a persistent buffer (drawn from the seed, so a model built
+    from another seed holds other values until a load gives it the saved ones) and which keeps a
+    non-persistent buffer, which no state dict holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("temperature", 1 + 0.1 * torch.rand(VOCAB))
+        self.register_buffer("scratch", torch.zeros(3), persistent=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return super().forward(idx) * self.temperature
+
+
+def make_model(seed: int = 0) -> BufferedGPT:
+    torch.manual_seed(seed)
+    return BufferedGPT()
+
+
+def _sharded(impl: str, seed: int = 0) -> BufferedGPT:
+    """``make_model(seed)`` with ``fully_shard`` (fsdp1's or torch's) on each block, then on the root."""
+    model = make_model(seed)
+    for block in model.blocks:
+        FULLY_SHARD[impl](block)
+    FULLY_SHARD[impl](model)
+    return model
+
+
+def _adamw(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2)
+
+
+def _full_values(model) -> dict:
+    """Every entry of ``model.state_dict()`` unsharded (collective): DTensors gathered, FSDP1's FULL
+    state dict (its default) as it is."""
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _locals(state_dict: dict) -> dict:
+    return {k: (v.to_local() if isinstance(v, DTensor) else v).detach().clone() for k, v in state_dict.items()}
+
+
+def _next_loss(model) -> float:
+    """The loss of the step after the checkpoint (step ``STEPS``), forward only."""
+    with torch.no_grad():
+        return lm_loss(model, *batch(STEPS, dist.get_rank(), dist.get_world_size())).item()
+
+
+def assert_bitwise(actual: dict, expected: dict) -> None:
+    assert list(actual) == list(expected), (list(actual), list(expected))
+    for key, tensor in expected.items():
+        assert actual[key].dtype == tensor.dtype and torch.equal(actual[key], tensor), key
+
+
+# ------------------------------------------------------------------------------- model.state_dict()
+def _describe(state_dict: dict) -> list:
+    """Per entry: key, exact type, placements, mesh, global shape and stride, local shape."""
+    rows = []
+    for key, value in state_dict.items():
+        is_dtensor = isinstance(value, DTensor)
+        rows.append((key, type(value).__name__,
+                     str(value.placements) if is_dtensor else None,
+                     (value.device_mesh.device_type, value.device_mesh.mesh.tolist()) if is_dtensor else None,
+                     tuple(value.shape), value.stride(),
+                     tuple(value.to_local().shape) if is_dtensor else None))
+    return rows
+
+
+def _state_dicts_of_both():
+    models = {impl: _sharded(impl) for impl in FULLY_SHARD}
+    for model in models.values():
+        train_steps(model, _adamw(model.parameters()), 0, STEPS)
+    state_dicts = {impl: model.state_dict() for impl, model in models.items()}
+    parameter_names = [name for name, _ in models["fsdp1"].named_parameters()]
+    return ({impl: _describe(sd) for impl, sd in state_dicts.items()},
+            {impl: _locals(sd) for impl, sd in state_dicts.items()},
+            parameter_names, list(make_model().state_dict()))
+
+
+def test_state_dict_has_torch_fully_shards_keys_types_placements_shapes_and_local_values():
+    for described, local_values, parameter_names, plain_keys in run_on_ranks(2, _state_dicts_of_both):
+        assert described["fsdp1"] == described["torch"]
+        assert [key for key, *_ in described["fsdp1"]] == plain_keys  # the plain model's keys, in its order
+        types = {key: kind for key, kind, *_ in described["fsdp1"]}
+        assert {key for key, kind in types.items() if kind == "DTensor"} == set(parameter_names)
+        assert types["temperature"] == "Tensor" and "scratch" not in types  # buffers plain; non-persistent left out
+        assert {placements for _, _, placements, *_ in described["fsdp1"]} == {"(Shard(dim=0),)", None}
+        assert_bitwise(local_values["fsdp1"], local_values["torch"])
+
+
+def _load_round_trip():
+    writer = _sharded("fsdp1")
+    optim = _adamw(writer.parameters())
+    train_steps(writer, optim, 0, STEPS)
+    saved = writer.state_dict()
+    saved_locals, saved_full, expected_loss = _locals(saved), _full_values(writer), _next_loss(writer)
+    readers, results = {}, {}
+    for impl in FULLY_SHARD:
+        reader = readers[impl] = _sharded(impl, seed=1)
+        before = _locals(reader.state_dict())
+        incompatible = reader.load_state_dict(saved)  # strict
+        results[impl] = {
+            "changed": not torch.equal(before["temperature"], saved_locals["temperature"]),
+            "incompatible": (incompatible.missing_keys, incompatible.unexpected_keys),
+            "locals": _locals(reader.state_dict()),
+            "full": _full_values(reader),
+            "loss": _next_loss(reader),
+        }
+    train_steps(writer, optim, STEPS, 1)
+    for impl, reader in readers.items():
+        results[impl]["after_writer_step"] = _locals(reader.state_dict())
+    return saved_locals, saved_full, expected_loss, results
+
+
+def test_load_state_dict_of_it_round_trips_into_fsdp1s_and_torchs_fully_shard():
+    for saved_locals, saved_full, expected_loss, results in run_on_ranks(2, _load_round_trip):
+        for impl, result in results.items():
+            assert result["changed"], impl  # the reader (another seed) held other values, buffers too
+            assert result["incompatible"] == ([], []), impl
+            assert_bitwise(result["locals"], saved_locals)
+            assert_bitwise(result["full"], saved_full)
+            assert result["loss"] == expected_loss, impl  # bitwise
+            assert_bitwise(result["after_writer_step"], saved_locals)  # copies: the writer's next step changed none
+
+
+# ------------------------------------------------------------------- DCP with torch's state-dict helpers
+def _app_state(model, optim, api: str) -> dict:
+    if api == "get_state_dict":
+        model_state, optim_state = get_state_dict(model, optim)
+    else:
+        model_state, optim_state = get_model_state_dict(model), get_optimizer_state_dict(model, optim)
+    return {"model": model_state, "optim": optim_state}
+
+
+def _save_then_continue(impl: str, api: str, path: str):
+    """Train ``STEPS``, save model and AdamW state with DCP, train ``STEPS`` more: the losses after the
+    checkpoint and the final values, which a resumed run must reproduce."""
+    model = _sharded(impl)
+    optim = _adamw(model.parameters())
+    train_steps(model, optim, 0, STEPS)
+    dcp.save(_app_state(model, optim, api), checkpoint_id=path)
+    return train_steps(model, optim, STEPS, STEPS), _full_values(model)
+
+
+def _resume(impl: str, api: str, path: str):
+    model = _sharded(impl, seed=1)
+    optim = _adamw(model.parameters())
+    state = _app_state(model, optim, api)  # templates: a fresh optimizer's state is made first
+    dcp.load(state, checkpoint_id=path)
+    if api == "get_state_dict":
+        set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    else:
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, optim, state["optim"])
+    return train_steps(model, optim, STEPS, STEPS), _full_values(model)
+
+
+@pytest.mark.parametrize("api", ["get_model_and_optimizer_state_dict", "get_state_dict"])
+@pytest.mark.parametrize("writer, readers", [("fsdp1", ("fsdp1", "torch")), ("torch", ("fsdp1",))])
+def test_dcp_checkpoint_of_model_and_adamw_resumes_bit_for_bit_across_fsdp1_and_torch(tmp_path, writer, readers, api):
+    path = str(tmp_path / "ckpt")
+    continued = run_on_ranks(2, _save_then_continue, writer, api, path)
+    for reader in readers:
+        resumed = run_on_ranks(2, _resume, reader, api, path)
+        for (losses, values), (expected_losses, expected_values) in zip(resumed, continued):
+            assert losses == expected_losses, reader  # bitwise, on every rank
+            assert_bitwise(values, expected_values)
+
+
+# ------------------------------------------------------------------------------ FSDP1 <-> FSDP2 migration
+def _fsdp1_wrapper(seed: int = 0):
+    return wrap_fsdp1(make_model(seed), use_orig_params=True)
+
+
+def _fsdp1_wrapper_saves_then_continues(path: str):
+    model = _fsdp1_wrapper()
+    optim = _adamw(model.parameters())
+    train_steps(model, optim, 0, STEPS)
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        dcp.save({"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)}, checkpoint_id=path)
+    return train_steps(model, optim, STEPS, STEPS), _full_values(model)
+
+
+def _fully_shard_resumes(path: str):
+    model = _sharded("fsdp1", seed=1)
+    optim = _adamw(model.parameters())
+    model_state = {"model": model.state_dict()}
+    dcp.load(model_state, checkpoint_id=path)
+    model.load_state_dict(model_state["model"])
+    optim_state = {"optim": get_optimizer_state_dict(model, optim)}
+    dcp.load(optim_state, checkpoint_id=path)
+    set_optimizer_state_dict(model, optim, optim_state["optim"])
+    return train_steps(model, optim, STEPS, STEPS), _full_values(model)
+
+
+def test_fsdp1_sharded_state_dict_checkpoint_resumes_in_fully_shard_bit_for_bit(tmp_path):
+    path = str(tmp_path / "fsdp1")
+    continued = run_on_ranks(2, _fsdp1_wrapper_saves_then_continues, path)
+    resumed = run_on_ranks(2, _fully_shard_resumes, path)
+    for (losses, values), (expected_losses, expected_values) in zip(resumed, continued):
+        assert losses == expected_losses  # bitwise
+        assert_bitwise(values, expected_values)
+
+
+def _fully_shard_saves_then_continues(path: str):
+    model = _sharded("fsdp1")
+    optim = _adamw(model.parameters())
+    train_steps(model, optim, 0, STEPS)
+    dcp.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, optim)}, checkpoint_id=path)
+    return train_steps(model, optim, STEPS, STEPS), _full_values(model)
+
+
+def _fsdp1_wrapper_resumes(path: str):
+    model = _fsdp1_wrapper(seed=1)
+    optim = _adamw(model.parameters())
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        state = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optim)}
+        dcp.load(state, checkpoint_id=path)
+        model.load_state_dict(state["model"])
+        optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, state["optim"]))
+    return train_steps(model, optim, STEPS, STEPS), _full_values(model)
+
+
+def test_fully_shard_checkpoint_resumes_in_fsdp1_sharded_state_dict_bit_for_bit(tmp_path):
+    path = str(tmp_path / "fsdp2")
+    continued = run_on_ranks(2, _fully_shard_saves_then_continues, path)
+    resumed = run_on_ranks(2, _fsdp1_wrapper_resumes, path)
+    for (losses, values), (expected_losses, expected_values) in zip(resumed, continued):
+        assert losses == expected_losses  # bitwise
+        assert_bitwise(values, expected_values)
