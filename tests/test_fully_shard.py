@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsdp1
+
 from _harness import run_on_ranks
 from _models import Block, adam, batch, lm_loss, make_gpt, train
 

@@ -18,8 +18,6 @@ the checkpoint and went on training.
   ``python -m tools.checkpoint`` inspects and consolidates a checkpoint DCP wrote from one.
 """
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,7 +25,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     get_state_dict,
@@ -37,15 +34,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsdp1
 from fsdp1 import FullyShardedDataParallel as FSDP
 from fsdp1 import StateDictType
 
 from _harness import run_on_ranks
-from _models import VOCAB, TinyGPT, batch, global_batch, lm_loss, train_steps, wrap_fsdp1
-from tools import checkpoint as checkpoint_tool
+from _models import VOCAB, TinyGPT, batch, lm_loss, train_steps, wrap_fsdp1
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
