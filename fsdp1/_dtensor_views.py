@@ -53,13 +53,13 @@ class DTensorParamViews(OrigParamViews):
         super().__init__(slots, owner)
         self.sharding = sharding
         self._grad_dtensors: List[Optional[DTensor]] = []  # the .grad DTensors shown, by parameter
-        self.replaced_ids: Dict[str, int] = {}  # id of each original Parameter the DTensors replaced, by name
+        self.replaced: Dict[int, ParamSlot] = {}  # by id, each original Parameter the DTensors replaced
         self._installed: Optional[List[torch.Tensor]] = None  # what install() registered; None: the DTensors
 
     def install_initial(self, flat_param: nn.Parameter, shard: torch.Tensor, unsharded: torch.Tensor, layout: ParamLayout) -> None:
         self._resting_views = layout.local_views(shard)
         for index, (slot, view) in enumerate(zip(self.slots, self._resting_views)):
-            self.replaced_ids[slot.fqn] = id(slot.live_param)
+            self.replaced[id(slot.live_param)] = slot
             setattr(slot.live_param, FLATTENED, True)
             param = nn.Parameter(self.sharding.dtensor(view, slot.live_param.shape),
                                  requires_grad=slot.live_param.requires_grad)

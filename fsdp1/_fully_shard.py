@@ -250,9 +250,11 @@ def fully_shard(
     a 2-D mesh, which shards over its second dimension and all-reduces over its first), gathered
     around the module's forward and backward, its gradient reduced to this rank's rows.
     """
-    if isinstance(module, list):
-        raise NotImplementedError("fsdp1: fully_shard of a list of modules (one group for several modules) is not supported yet.")
-    _check_module(module)
+    modules = list(module) if isinstance(module, list) else [module]
+    if not modules:
+        raise ValueError("fsdp1: fully_shard got an empty list of modules; pass the modules to shard as one group.")
+    for each in modules:
+        _check_module(each)
     if dp_mesh_dims is not None:
         raise NotImplementedError("fsdp1: fully_shard(dp_mesh_dims=...) (parameters that are already DTensors) is not supported yet.")
     mesh = _default_mesh() if mesh is None else mesh
@@ -265,13 +267,14 @@ def fully_shard(
     after_forward = _reshard_after_forward(reshard_after_forward, comm.group_size(shard_group))
     policy = _mixed_precision_policy(mp_policy)
     offload = _offload_policy(offload_policy)
-    slots = _managed_slots(module, set(ignored_params or ()), shard_placement_fn)
+    ignored = {id(p) for p in ignored_params or ()}
+    slots = [slot for each in modules for slot in _managed_slots(each, ignored, shard_placement_fn)]
 
     handle = None
     if slots:
         orig_dtype = slots[0].live_param.dtype
         precision = HandlePrecision(orig_dtype, policy.param_dtype, policy.reduce_dtype)
-        handle = FlatParamHandle(slots, module, shard_group, replicate_group, is_sharded=True, use_orig_params=True,
+        handle = FlatParamHandle(slots, modules[0], shard_group, replicate_group, is_sharded=True, use_orig_params=True,
                                  precision=precision, offload_params=isinstance(offload, CPUOffloadPolicy),
                                  row_sharding=RowSharding(mesh, placements))
     compute_device = handle.compute_device if handle is not None else torch.device(mesh.device_type)
@@ -281,16 +284,18 @@ def fully_shard(
                                          cast_forward_inputs=policy.cast_forward_inputs,
                                          cast_root_forward_inputs=policy.cast_forward_inputs)
     strategy = ShardingStrategy.FULL_SHARD if replicate_group is None else ShardingStrategy.HYBRID_SHARD
-    state = UnitState(module, module, handle, shard_group, strategy, mixed_precision, BackwardPrefetch.BACKWARD_PRE,
-                      False, compute_device, ())
+    state = UnitState(modules[0], modules[0], handle, shard_group, strategy, mixed_precision, BackwardPrefetch.BACKWARD_PRE,
+                      False, compute_device, (), also_hooked=modules[1:])
     state.schedule.reshard_after_forward = after_forward
     state.schedule.reshard_after_no_grad_forward = False
     state.output_dtype = policy.output_dtype
-    for path, inner in iter_outermost_units(module):
-        state_of(inner).nest(path)
-    _register_state_dict_hooks(module, state)
-    module.__class__ = _fsdp_class(type(module))
-    return module
+    for each in modules:
+        for path, inner in iter_outermost_units(each):
+            state_of(inner).nest(path)
+        if handle is not None:
+            _register_state_dict_hooks(each, handle)
+        each.__class__ = _fsdp_class(type(each))
+    return modules if isinstance(module, list) else module
 
 
 def _check_module(module: nn.Module) -> None:
@@ -361,12 +366,11 @@ def _offload_policy(policy: Any) -> OffloadPolicy:
     raise ValueError(f"fsdp1: offload_policy must be an OffloadPolicy or CPUOffloadPolicy, got {name}.")
 
 
-def _managed_slots(module: nn.Module, ignored: Set[nn.Parameter], placement_fn: Optional[Callable[[nn.Parameter], Any]]) -> List[ParamSlot]:
+def _managed_slots(module: nn.Module, ignored_ids: Set[int], placement_fn: Optional[Callable[[nn.Parameter], Any]]) -> List[ParamSlot]:
     """The registrations of the parameters this group shards: ``module``'s, minus those of modules
     sharded before it and the ignored ones. Refused: a scalar, a parameter that is already a DTensor
     (tensor parallelism), a placement other than ``Shard(0)``, a parameter tied to one another group
     manages (which would split one weight over two groups)."""
-    ignored_ids = {id(p) for p in ignored}
     owners = _params_of_sharded_modules(module)
     slots = []
     for slot in iter_param_slots(module, stop=is_fsdp_unit):
@@ -399,26 +403,27 @@ def _managed_slots(module: nn.Module, ignored: Set[nn.Parameter], placement_fn: 
 def _params_of_sharded_modules(module: nn.Module) -> Dict[int, str]:
     """id of each original parameter that a module sharded before (inside ``module``) replaced,
     with its name from ``module``: a tied registration outside that module still holds it."""
+    names = {id(m): name for name, m in module.named_modules()}
     owners: Dict[int, str] = {}
-    for name, inner in module.named_modules():
+    for inner in module.modules():
         handle = state_of(inner).handle if inner is not module and isinstance(inner, FSDPModule) else None
         if handle is not None and isinstance(handle.views, DTensorParamViews):
-            for fqn, param_id in handle.views.replaced_ids.items():
-                owners[param_id] = f"{name}.{fqn}"
+            for param_id, slot in handle.views.replaced.items():
+                path = names.get(id(slot.module), "?")
+                owners[param_id] = f"{path}.{slot.attr}" if path else slot.attr
     return owners
 
 
-def _register_state_dict_hooks(module: nn.Module, state: UnitState) -> None:
+def _register_state_dict_hooks(module: nn.Module, handle: FlatParamHandle) -> None:
     """``state_dict()`` reads the sharded DTensors (a module kept gathered reshards first, as torch's);
     ``load_state_dict()`` copies DTensors into them in place, also takes plain full tensors (each
     rank keeps its rows; torch's refuses them, pytorch#136336), and adopts what ``assign=True``
     registered."""
-    handle = state.handle
-    if handle is None:
-        return
-    views = handle.views
-    layout = handle.layout
+    views, layout = handle.views, handle.layout
     assert isinstance(views, DTensorParamViews) and isinstance(layout, RowShardLayout), "fully_shard's handle"
+    index_of = {id(slot.live_param): index for index, slot in enumerate(views.slots)}
+    own = [(slot.fqn, index_of[id(slot.param)]) for slot in iter_param_slots(module, stop=is_fsdp_unit) if id(slot.param) in index_of]
+    state = state_of(module)
 
     def before_save(module: nn.Module, prefix: str, keep_vars: bool) -> None:
         if state.training_state is TrainingState.IDLE:
@@ -427,7 +432,7 @@ def _register_state_dict_hooks(module: nn.Module, state: UnitState) -> None:
 
     def before_load(module: nn.Module, state_dict: Dict[str, Any], prefix: str, *args: Any) -> None:
         handle.reshard()
-        for fqn, index in views.slot_fqns():
+        for fqn, index in own:
             key = prefix + fqn
             value = state_dict.get(key)
             if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == layout.shapes[index]:

@@ -13,7 +13,7 @@ the module bodies between (``eager_only``).
 """
 
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Dict, List, Optional, Tuple
+from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -58,9 +58,11 @@ class UnitState:
     def __init__(self, owner: nn.Module, hooked: nn.Module, handle: Optional[FlatParamHandle],
                  process_group: comm.ProcessGroup, sharding_strategy: ShardingStrategy,
                  mixed_precision: Optional[MixedPrecision], backward_prefetch: Optional[BackwardPrefetch],
-                 forward_prefetch: bool, compute_device: torch.device, ignored_modules: Collection[nn.Module]) -> None:
+                 forward_prefetch: bool, compute_device: torch.device, ignored_modules: Collection[nn.Module],
+                 also_hooked: Sequence[nn.Module] = ()) -> None:
         self.owner = owner
         self.hooked = hooked
+        self.also_hooked = tuple(also_hooked)  # more modules of a unit made of several (fully_shard([norm, head]))
         self.handle = handle
         self.process_group = process_group
         self.world_size = comm.group_size(process_group)
@@ -82,7 +84,8 @@ class UnitState:
         self.awaits_reduction = False  # a nested backward accumulated a partial gradient
         self._has_post_backward_hook = False
         self._submodule_forward: Optional[nn.Module] = None  # a submodule called from outside, running
-        owner.__dict__[FSDP_STATE] = self
+        for module in (owner, *self.also_hooked):
+            module.__dict__[FSDP_STATE] = self
         self.register_post_backward_hook()
         self._register_forward_hooks()
 
@@ -179,12 +182,15 @@ class UnitState:
         ``generate()`` reaches the wrapped model through attribute forwarding and calls it, or its
         encoder, directly, which torch's FSDP1 cannot serve without ``summon_full_params``. A module
         inside a nested unit that uses a tied parameter this unit holds counts as one of its submodules."""
-        module = self.hooked
-        module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
-        module.register_forward_hook(self.post_forward)
-        submodules = {id(m): m for m in iter_unit_submodules(module, self.ignored_modules)}
+        modules = (self.hooked, *self.also_hooked)
+        if self.also_hooked:
+            _GroupForward(self, modules)
+        else:
+            self.hooked.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
+            self.hooked.register_forward_hook(self.post_forward)
+        submodules = {id(m): m for module in modules for m in iter_unit_submodules(module, self.ignored_modules)}
         if self.handle is not None:
-            submodules.update((id(m), m) for m in self.handle.views.param_modules() if m is not module)
+            submodules.update((id(m), m) for m in self.handle.views.param_modules() if all(m is not module for module in modules))
         for submodule in submodules.values():
             submodule.register_forward_pre_hook(self._pre_submodule_forward, prepend=True, with_kwargs=True)
             submodule.register_forward_hook(self._post_submodule_forward)
@@ -401,6 +407,33 @@ class UnitState:
             handle.grad.finish_backward()
         self.training_state = TrainingState.IDLE
         self.awaits_pre_backward = False
+
+
+class _GroupForward:
+    """The forward hooks of a unit made of several modules: its forward begins when the first of them
+    runs and ends once each has run, as torch's FSDP2 groups them (one gather, one set of views, so
+    that backward accumulates the unit's gradient once)."""
+
+    def __init__(self, state: UnitState, modules: Sequence[nn.Module]) -> None:
+        self._state = state
+        self._modules = modules
+        self._to_run: Set[int] = set()
+        for module in modules:
+            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self._post_forward)
+
+    def _pre_forward(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]
+                     ) -> Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]]:
+        if self._to_run and self._state.training_state is not TrainingState.IDLE:
+            return None
+        self._to_run = {id(m) for m in self._modules}
+        return self._state.pre_forward(module, args, kwargs)
+
+    def _post_forward(self, module: nn.Module, args: Tuple[Any, ...], output: Any) -> Any:
+        self._to_run.discard(id(module))
+        if self._to_run:
+            return None
+        return self._state.post_forward(module, args, output)
 
 
 def _gather(handle: FlatParamHandle) -> None:

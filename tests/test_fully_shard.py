@@ -102,7 +102,12 @@ def _hybrid_and_prefetch(mode):
         kwargs["mesh"] = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
     if mode == "no_reshard":
         kwargs["reshard_after_forward"] = False
-    models = [_shard_gpt(make_gpt(), shard, **kwargs) for shard in (fsdp1.fully_shard, _torch_fully_shard())]
+    models = []
+    for shard in (fsdp1.fully_shard, _torch_fully_shard()):
+        model = make_gpt()
+        if mode == "list":  # one group of two modules: returned as a list, both swapped
+            kinds = [type(m).__name__ for m in shard([model.ln_f, model.head])]
+        models.append(_shard_gpt(model, shard, **kwargs))
     if mode == "prefetch":
         for model in models:
             blocks = list(model.blocks)
@@ -112,11 +117,13 @@ def _hybrid_and_prefetch(mode):
     placements = [p.placements for p in models[0].parameters()] == [p.placements for p in models[1].parameters()]
     losses = [train(model, 3, world_size, rank) for model in models]
     same = all(torch.equal(p.to_local(), q.to_local()) for p, q in zip(*(m.parameters() for m in models)))
+    if mode == "list":
+        same = same and kinds == ["FSDPLayerNorm", "FSDPLinear"]
     return placements, losses, same
 
 
-@pytest.mark.parametrize("mode", ["prefetch", "no_reshard"])
-def test_explicit_prefetch_and_no_reshard_train_bitwise_like_torch(mode):
+@pytest.mark.parametrize("mode", ["prefetch", "no_reshard", "list"])
+def test_explicit_prefetch_no_reshard_and_a_group_of_two_modules_train_bitwise_like_torch(mode):
     for placements, (ours, theirs), same in run_on_ranks(2, _hybrid_and_prefetch, mode):
         assert placements and ours == theirs and same
 

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     get_state_dict,
@@ -34,13 +35,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsdp1
 from fsdp1 import FullyShardedDataParallel as FSDP
 from fsdp1 import StateDictType
 
 from _harness import run_on_ranks
-from _models import VOCAB, TinyGPT, batch, lm_loss, train_steps, wrap_fsdp1
+from _models import VOCAB, TinyGPT, batch, global_batch, lm_loss, train_steps, wrap_fsdp1
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
@@ -279,3 +281,64 @@ def test_fully_shard_checkpoint_resumes_in_fsdp1_sharded_state_dict_bit_for_bit(
     for (losses, values), (expected_losses, expected_values) in zip(resumed, continued):
         assert losses == expected_losses  # bitwise
         assert_bitwise(values, expected_values)
+
+
+# ------------------------------------------------------------------------------------ full state dicts
+FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def _plain_trained(steps: int = STEPS):
+    """Ground truth: the plain model under DDP (bitwise, every rank), and in one process over the
+    global batch (the same mean loss, rounded otherwise)."""
+    world = dist.get_world_size()
+    ddp = DDP(make_model())
+    train_steps(ddp, _adamw(ddp.parameters()), 0, steps)
+    single = make_model()
+    optim = _adamw(single.parameters())
+    for step in range(steps):
+        lm_loss(single, *global_batch(step, world)).backward()
+        optim.step()
+        optim.zero_grad()
+    return ddp.module.state_dict(), single.state_dict()
+
+
+def _full_state_dict_and_loads():
+    rank = dist.get_rank()
+    model = _sharded("fsdp1")
+    train_steps(model, _adamw(model.parameters()), 0, STEPS)
+    on_cpu = get_model_state_dict(model, options=FULL_ON_CPU)  # rank 0 only
+    everywhere = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    by_ddp, by_one_process = _plain_trained()
+    loaded = {}
+    for how, source, options in (
+        ("broadcast", on_cpu if rank == 0 else {}, StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)),
+        ("every_rank", everywhere, StateDictOptions(full_state_dict=True)),
+        ("ddp_module", by_ddp, StateDictOptions(full_state_dict=True)),
+    ):
+        reader = _sharded("fsdp1", seed=1)
+        set_model_state_dict(reader, source, options=options)
+        loaded[how] = (_full_values(reader), _locals(reader.state_dict()))
+    return {
+        "on_cpu": on_cpu, "on_cpu_devices": {str(v.device) for v in on_cpu.values()},
+        "on_cpu_types": {type(v).__name__ for v in on_cpu.values()},
+        "everywhere": everywhere, "ddp": by_ddp, "one_process": by_one_process,
+        "loaded": loaded, "writer_locals": _locals(model.state_dict()),
+    }
+
+
+def test_full_state_dict_is_the_unsharded_models_and_loads_back():
+    results = run_on_ranks(2, _full_state_dict_and_loads)
+    for rank, result in enumerate(results):
+        expected = result["ddp"]
+        if rank == 0:
+            assert result["on_cpu_types"] == {"Tensor"} and result["on_cpu_devices"] == {"cpu"}
+            assert_bitwise(result["on_cpu"], expected)  # the plain model's keys and order, DDP's values bitwise
+        else:
+            assert result["on_cpu"] == {}  # cpu_offload gathers onto rank 0 only, as torch's
+        assert_bitwise(result["everywhere"], expected)
+        for name, tensor in result["one_process"].items():
+            # one process over the global batch rounds its mean loss otherwise: equal to float32 rounding
+            torch.testing.assert_close(result["everywhere"][name], tensor, rtol=1e-5, atol=1e-6)
+        for how, (full, local) in result["loaded"].items():
+            assert_bitwise(full, expected)
+            assert_bitwise(local, result["writer_locals"])  # each rank its rows, as the writer's
