@@ -10,6 +10,7 @@ stays gathered (the root after its forward, a unit told not to reshard), as torc
 its unsharded parameters registered.
 """
 
+import weakref
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple, cast
 
@@ -53,30 +54,37 @@ class DTensorParamViews(OrigParamViews):
         super().__init__(slots, owner)
         self.sharding = sharding
         self._grad_dtensors: List[Optional[DTensor]] = []  # the .grad DTensors shown, by parameter
-        self.replaced: Dict[int, ParamSlot] = {}  # by id, each original Parameter the DTensors replaced
+        # Each original Parameter the DTensors replaced, by id, held weakly (its storage must go) with
+        # where it was registered: a tied registration elsewhere still holds it.
+        self.replaced: Dict[int, Tuple["weakref.ref[nn.Parameter]", nn.Module, str]] = {}
         self._installed: Optional[List[torch.Tensor]] = None  # what install() registered; None: the DTensors
 
     def install_initial(self, flat_param: nn.Parameter, shard: torch.Tensor, unsharded: torch.Tensor, layout: ParamLayout) -> None:
-        self._resting_views = layout.local_views(shard)
-        for index, (slot, view) in enumerate(zip(self.slots, self._resting_views)):
-            self.replaced[id(slot.live_param)] = slot
+        for index, (slot, view) in enumerate(zip(self.slots, layout.local_views(shard))):
+            self.replaced[id(slot.live_param)] = (weakref.ref(slot.live_param), slot.module, slot.attr)
             setattr(slot.live_param, FLATTENED, True)
             param = nn.Parameter(self.sharding.dtensor(view, slot.live_param.shape),
                                  requires_grad=slot.live_param.requires_grad)
             self._replace_param(index, param)
+        self._resting_views = [_local_of(param) for param in self.orig_params()]
         self._manage()
         self._show_originals()
 
     def repoint(self, shard: torch.Tensor, layout: ParamLayout) -> None:
         """The same Parameter objects (an optimizer holds them) now view the new shard, in its dtype
         and on its device."""
-        self._resting_views = layout.local_views(shard)
-        for slot, view in zip(self.slots, self._resting_views):
+        for slot, view in zip(self.slots, layout.local_views(shard)):
             param = slot.live_param
             moved = self.sharding.dtensor(view, param.shape)
             if (param.dtype, param.device) != (view.dtype, view.device):
                 param.data = moved  # the wrapper's own dtype and device
             _point(param, moved)
+        self._resting_views = [_local_of(param) for param in self.orig_params()]
+
+    def replaced_registration(self, param: nn.Parameter) -> Optional[Tuple[nn.Module, str]]:
+        """Where ``param`` was registered if it is an original Parameter these DTensors replaced."""
+        ref, module, attr = self.replaced.get(id(param), (None, None, ""))
+        return (module, attr) if ref is not None and module is not None and ref() is param else None
 
     def install(self, tensors: Sequence[torch.Tensor], as_parameters: bool, through_setattr: bool = False) -> None:
         super().install(tensors, as_parameters, through_setattr)
@@ -105,7 +113,7 @@ class DTensorParamViews(OrigParamViews):
             current = slot.module._parameters.get(slot.attr)
             if current is None or (self._installed is not None and current is self._installed[index]):
                 continue  # deregistered for a while, or the unit's own unsharded view
-            if current is slot.param and _local_of(current) is view:
+            if current is slot.param and isinstance(current, DTensor) and _local_of(current) is view:
                 continue
             where = self.clean_fqn(slot)
             if not isinstance(current, DTensor) or current.shape != slot.live_param.shape:
@@ -120,6 +128,7 @@ class DTensorParamViews(OrigParamViews):
             if current is not slot.param:
                 self._adopt_param(index, current)
             _point(current, self.sharding.dtensor(view, current.shape))
+            self._resting_views[index] = _local_of(current)
             written = True
         return written
 
@@ -184,8 +193,10 @@ class DTensorParamViews(OrigParamViews):
         pass  # the values were written back; the originals stay the DTensors the optimizer holds
 
 
-def _local_of(param: torch.Tensor) -> Optional[torch.Tensor]:
-    return param._local_tensor if isinstance(param, DTensor) else None
+def _local_of(param: torch.Tensor) -> torch.Tensor:
+    """A DTensor Parameter's local tensor: the view of the shard it was built on."""
+    assert isinstance(param, DTensor), "fully_shard's parameters at rest are DTensors"
+    return param._local_tensor
 
 
 def _point(param: nn.Parameter, like: DTensor) -> None:

@@ -28,7 +28,7 @@ from torch import nn
 from . import _collectives as comm
 from ._dtensor_views import DTensorParamViews, RowSharding
 from ._flat_grad import FlatGrad, to_host
-from ._layout import FlatShardLayout, ParamLayout, RowShardLayout
+from ._layout import FlatShardLayout, ParamLayout, RowShardLayout, alloc_storage
 from ._mixed_precision import HandlePrecision
 from ._shard_conversions import ShardConversions
 from ._traversal import ParamSlot
@@ -262,8 +262,8 @@ class FlatParamHandle:
         if target is self._local_shard:  # not sharded, full precision: the shard is the parameter
             self.state = HandleState.UNSHARDED
             return
-        _alloc_storage(target, self.layout.unsharded_numel)
         if not self.is_sharded:
+            alloc_storage(target)
             target.copy_(self._local_shard, non_blocking=True)
             self.state = HandleState.UNSHARDED
             return
@@ -479,13 +479,6 @@ class FlatParamHandle:
         reductions dropped, the optimizer's gradient as it was before, the parameters sharded."""
         self.reshard()
         self.grad.abandon_backward()
-
-
-def _alloc_storage(tensor: torch.Tensor, numel: int) -> None:
-    storage = tensor.untyped_storage()
-    nbytes = numel * tensor.element_size()
-    if storage.size() != nbytes:
-        storage.resize_(nbytes)
 
 
 def _free_storage(tensor: torch.Tensor) -> None:

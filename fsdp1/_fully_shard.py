@@ -371,15 +371,16 @@ def _managed_slots(module: nn.Module, ignored_ids: Set[int], placement_fn: Optio
     sharded before it and the ignored ones. Refused: a scalar, a parameter that is already a DTensor
     (tensor parallelism), a placement other than ``Shard(0)``, a parameter tied to one another group
     manages (which would split one weight over two groups)."""
-    owners = _params_of_sharded_modules(module)
+    sharded_elsewhere = _sharded_elsewhere(module)
     slots = []
     for slot in iter_param_slots(module, stop=is_fsdp_unit):
         param = slot.live_param
         if id(param) in ignored_ids:
             continue
-        if id(param) in owners:
+        elsewhere = sharded_elsewhere(param)
+        if elsewhere is not None:
             raise ValueError(
-                f"fsdp1: parameter '{slot.fqn}' is shared with the parameter '{owners[id(param)]}', which the "
+                f"fsdp1: parameter '{slot.fqn}' is shared with the parameter '{elsewhere}', which the "
                 "fully_shard module there already manages: one weight cannot be split over two groups. Do not "
                 "fully_shard that module on its own (its parameters then belong to this group), or untie the weight."
             )
@@ -400,18 +401,26 @@ def _managed_slots(module: nn.Module, ignored_ids: Set[int], placement_fn: Optio
     return slots
 
 
-def _params_of_sharded_modules(module: nn.Module) -> Dict[int, str]:
-    """id of each original parameter that a module sharded before (inside ``module``) replaced,
-    with its name from ``module``: a tied registration outside that module still holds it."""
+def _sharded_elsewhere(module: nn.Module) -> Callable[[nn.Parameter], Optional[str]]:
+    """For a parameter of ``module``'s tree, the path under which a module sharded before (inside
+    ``module``) registered it, if one did: a tied registration outside that module still holds the
+    original Parameter the DTensors replaced."""
     names = {id(m): name for name, m in module.named_modules()}
-    owners: Dict[int, str] = {}
+    replacing = []
     for inner in module.modules():
         handle = state_of(inner).handle if inner is not module and isinstance(inner, FSDPModule) else None
         if handle is not None and isinstance(handle.views, DTensorParamViews):
-            for param_id, slot in handle.views.replaced.items():
-                path = names.get(id(slot.module), "?")
-                owners[param_id] = f"{path}.{slot.attr}" if path else slot.attr
-    return owners
+            replacing.append(handle.views)
+
+    def path_of(param: nn.Parameter) -> Optional[str]:
+        for views in replacing:
+            found = views.replaced_registration(param)
+            if found is not None:
+                path = names.get(id(found[0]), "?")
+                return f"{path}.{found[1]}" if path else found[1]
+        return None
+
+    return path_of
 
 
 def _register_state_dict_hooks(module: nn.Module, handle: FlatParamHandle) -> None:

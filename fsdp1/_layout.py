@@ -86,7 +86,8 @@ class ParamLayout(ABC):
     @abstractmethod
     def all_gather(self, unsharded: torch.Tensor, shard: torch.Tensor, group: comm.ProcessGroup, path: str) -> comm.Waitable:
         """Start filling ``unsharded`` from every rank's ``shard``; the parameters' views of it are
-        valid once the returned work is waited for."""
+        valid once the returned work is waited for. ``unsharded``'s storage may be freed: the
+        layout allocates it when it first writes there."""
 
     @abstractmethod
     def reduce_input(self, unsharded_grad: torch.Tensor) -> torch.Tensor:
@@ -154,6 +155,7 @@ class FlatShardLayout(ParamLayout):
         return unsharded
 
     def all_gather(self, unsharded: torch.Tensor, shard: torch.Tensor, group: comm.ProcessGroup, path: str) -> comm.Waitable:
+        alloc_storage(unsharded)
         return comm.all_gather_into(unsharded, shard, group, path)
 
     def reduce_input(self, unsharded_grad: torch.Tensor) -> torch.Tensor:
@@ -222,12 +224,15 @@ class RowShardLayout(ParamLayout):
 
     def all_gather(self, unsharded: torch.Tensor, shard: torch.Tensor, group: comm.ProcessGroup, path: str) -> comm.Waitable:
         if self.world_size == 1:  # one rank: its shard is the buffer
+            alloc_storage(unsharded)
             return comm.all_gather_into(unsharded, shard, group, path)
-        gathered = torch.empty_like(unsharded)
+        gathered = unsharded.new_empty(self.unsharded_numel)
         return _CopiedOut(comm.all_gather_into(gathered, shard, group, path), gathered, self, unsharded)
 
     def copy_out(self, gathered: torch.Tensor, unsharded: torch.Tensor) -> None:
-        """Rank-major ``gathered`` into the parameter-major ``unsharded``."""
+        """Rank-major ``gathered`` into the parameter-major ``unsharded``, allocated only now: a
+        prefetched gather holds one unsharded buffer until it is waited for, not two."""
+        alloc_storage(unsharded)
         torch.split_with_sizes_copy(gathered.view(self.world_size, self.shard_numel), list(self.chunk_numels), dim=1,
                                     out=self._rank_major(unsharded))
 
@@ -261,6 +266,15 @@ class _CopiedOut:
             self._layout.copy_out(self._gathered, self._unsharded)
             del self._gathered
         return True
+
+
+def alloc_storage(tensor: torch.Tensor) -> None:
+    """Give ``tensor`` (whose storage a reshard freed) its storage back, in place, so that views
+    autograd saved of it see what is written next."""
+    storage = tensor.untyped_storage()
+    nbytes = tensor.numel() * tensor.element_size()
+    if storage.size() != nbytes:
+        storage.resize_(nbytes)
 
 
 def piece_in_shard(info: ParamShardInfo, full_value: torch.Tensor) -> torch.Tensor:

@@ -196,7 +196,7 @@ def minimum_comm_bytes(name: str, num_params: int, root_params: int, world_size:
     if name.startswith("local"):
         return 0
     gathered = 2 if "bf16" in name else 4
-    if "full" in name or name == "torch_fsdp2":  # all-gather forward and backward (not the root's), reduce-scatter
+    if "full" in name or name.endswith("fsdp2"):  # all-gather forward and backward (not the root's), reduce-scatter
         return int(f * (gathered * (2 * num_params - root_params) + 4 * num_params))
     return int(f * 4 * 2 * num_params)  # one all-reduce, or all-gather + reduce-scatter
 
@@ -212,7 +212,7 @@ def summarize(raw, size: GPTSize, world_size: int, predicted: Dict[str, Dict[str
         comm_bytes = (f * (comm.get("all_gather", 0) + comm.get("reduce_scatter", 0)) + 2 * f * comm.get("all_reduce", 0)
                       + comm.get("all_to_all_sent", 0))
         minimum = minimum_comm_bytes(name, num_params, root_params, world_size)
-        sharded = name == "torch_fsdp2" or "full" in name or "grad_op" in name
+        sharded = name.endswith("fsdp2") or "full" in name or "grad_op" in name
         row = {
             "wall_ms": statistics.median(s[1] for s in samples) * 1e3,
             "cpu_ms": statistics.median(s[2] for s in samples) * 1e3,
@@ -259,7 +259,7 @@ def print_table(summary, size: GPTSize, world_size: int, backend: str) -> None:
               f"{ratio(row.get('cpu_vs_anchor')):>17} {row['comm_mib']:8.2f} {opt(row['comm_vs_min'], '5.3f'):>5} "
               f"{row['peak_mib']:8.2f} {opt(row.get('peak_vs_anchor'), '7.3f'):>7} {opt(row['predicted_peak_mib'], '9.2f'):>9} "
               f"{row['state_mib']:9.2f} {row['state_mib'] / row['state_bound_mib']:6.3f}")
-    print("anchor: torch's FSDP1 with the same strategy (local for local_aa). /min: bytes against the strategy's "
+    print("anchor: torch's FSDP1 with the same strategy (torch's fully_shard for fsdp1_fsdp2, local for local_aa). /min: bytes against the strategy's "
           "minimum. predicted: memory_estimator's dry run. /bound: against (P+G+O)/N = 16 B x params / N "
           "(x N for unsharded variants).")
 

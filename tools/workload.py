@@ -146,6 +146,13 @@ def _torch_fsdp2(model: nn.Module, device: torch.device) -> nn.Module:
     return fully_shard(model)
 
 
+def _fsdp1_fully_shard(model: nn.Module, device: torch.device) -> nn.Module:
+    model.to(device)
+    for block in model.blocks:
+        fsdp1.fully_shard(block)
+    return fsdp1.fully_shard(model)
+
+
 def _ddp(model: nn.Module, device: torch.device) -> nn.Module:
     return nn.parallel.DistributedDataParallel(model.to(device))
 
@@ -181,6 +188,7 @@ VARIANTS: Dict[str, Wrapper] = {
     "torch_fsdp1_full_hook": partial(_torch_fsdp1, "FULL_SHARD", False, comm_hook=True),
     "fsdp1_full_hook": partial(_fsdp1, "FULL_SHARD", False, comm_hook=True),
     "torch_fsdp2": _torch_fsdp2,
+    "fsdp1_fsdp2": _fsdp1_fully_shard,
 }
 """Every variant the benchmark measures; ``local`` is the model alone (the compute floor) and
 ``local_aa`` the same again, as the A/A noise control."""
@@ -190,7 +198,7 @@ ANCHOR = {"fsdp1_full": "torch_fsdp1_full", "fsdp1_full_orig": "torch_fsdp1_full
           "fsdp1_hybrid": "torch_fsdp1_hybrid", "fsdp1_frozen_orig": "torch_fsdp1_frozen_orig",
           "fsdp1_full_clip": "torch_fsdp1_full_clip", "fsdp1_full_bf16": "torch_fsdp1_full_bf16",
           "fsdp1_full_offload": "torch_fsdp1_full_offload", "fsdp1_full_hook": "torch_fsdp1_full_hook",
-          "local_aa": "local"}
+          "fsdp1_fsdp2": "torch_fsdp2", "local_aa": "local"}
 """The variant each one is compared with, round by round."""
 
 CUDA_ONLY = {"torch_fsdp1_full_offload"}
