@@ -5,7 +5,7 @@ TORCH ?= torch==2.13.0
 TORCHRUN = OMP_NUM_THREADS=1 $(PYTHON) -m torch.distributed.run --standalone --nproc-per-node 2
 MIGRATION = examples/ddp_to_fsdp1
 
-.PHONY: test fuzz train migrate accelerate-example benchmark install install-examples
+.PHONY: test fuzz train migrate accelerate-example fully-shard benchmark install install-examples
 
 install:
 	$(PYTHON) -m pip install -q "$(TORCH)" -e ".[test]"
@@ -39,6 +39,15 @@ accelerate-example: install-examples
 	$(ACCELERATE) --losses out/accelerate_run.json
 	$(ACCELERATE) --resume --expect out/accelerate_run.json
 	$(ACCELERATE) --impl torch --checkpoint out/accelerate_torch_checkpoint --expect out/accelerate_run.json
+
+# FSDP1 -> FSDP2: a fully_shard run, then a FullyShardedDataParallel run to step 100 whose checkpoint a
+# fully_shard run resumes; its losses must equal the uninterrupted fully_shard run's, bit for bit.
+FULLY_SHARD = $(TORCHRUN) -m examples.train_gpt_fully_shard --steps 200
+fully-shard: install-examples
+	rm -rf out/fsdp1_checkpoints out/fully_shard_checkpoints
+	$(FULLY_SHARD) --losses out/fully_shard_losses.json
+	$(TORCHRUN) examples/train_gpt.py --steps 100 --checkpoint-dir out/fsdp1_checkpoints
+	$(FULLY_SHARD) --resume-from out/fsdp1_checkpoints --checkpoint-every 0 --expect out/fully_shard_losses.json
 
 benchmark: install-examples
 	$(PYTHON) -m tools.benchmark --json out/benchmark.json

@@ -1,6 +1,8 @@
 """``use_as_torch_fsdp``: fsdp1's class under torch's names, for clients that construct and recognise
 FSDP units by torch's class (HF Accelerate, the Transformers Trainer, Lightning, torch's own
-``torch.distributed.checkpoint.state_dict`` helpers).
+``torch.distributed.checkpoint.state_dict`` helpers), and fsdp1's ``fully_shard``, ``FSDPModule``
+and policies where torch's FSDP2 names are (Accelerate's FSDP2 mode, the Trainer's default FSDP
+path and torchtitan-style scripts import them when they shard).
 
 Those clients import ``FullyShardedDataParallel`` from ``torch.distributed.fsdp`` or from
 ``torch.distributed.fsdp.fully_sharded_data_parallel`` when they need it, and test
@@ -21,6 +23,8 @@ from typing import Any, Callable, List, Optional, Tuple
 
 from torch import nn
 
+from ._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .fully_sharded_data_parallel import FullyShardedDataParallel
 from .sharded_grad_scaler import ShardedGradScaler
 
@@ -29,6 +33,16 @@ TORCH_FSDP_MODULES = ("torch.distributed.fsdp", "torch.distributed.fsdp.fully_sh
 
 TORCH_SCALER_MODULES = ("torch.distributed.fsdp.sharded_grad_scaler", "torch.distributed.fsdp")
 """Where clients import torch's ShardedGradScaler from (the package only in the versions that export it)."""
+
+TORCH_FSDP2_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
+"""Where clients import torch's FSDP2 names from (the second is the older path)."""
+
+FSDP2_NAMES = {
+    "fully_shard": fully_shard, "FSDPModule": FSDPModule, "UnshardHandle": UnshardHandle,
+    "register_fsdp_forward_method": register_fsdp_forward_method, "MixedPrecisionPolicy": MixedPrecisionPolicy,
+    "OffloadPolicy": OffloadPolicy, "CPUOffloadPolicy": CPUOffloadPolicy,
+}
+"""fsdp1's FSDP2 names, each put where torch's of that name is (where the module has it)."""
 
 TORCH_STATE_DICT_HELPERS = "torch.distributed.checkpoint.state_dict"
 """torch's ``get_state_dict`` / ``set_state_dict`` family, which binds the class at import."""
@@ -46,7 +60,8 @@ def _unit_state_or(torch_lookup: Callable[[nn.Module], Optional[Any]]) -> Callab
 
 class use_as_torch_fsdp:  # noqa: N801 - used as a function, as torch's own context-manager functions are
     """Make ``torch.distributed.fsdp.FullyShardedDataParallel`` (at both of its import paths, and in
-    ``torch.distributed.checkpoint.state_dict``) be fsdp1's class, and torch's ``ShardedGradScaler``
+    ``torch.distributed.checkpoint.state_dict``) be fsdp1's class, torch's ``ShardedGradScaler``
+    fsdp1's, and ``torch.distributed.fsdp.fully_shard`` / ``FSDPModule`` / the FSDP2 policies
     fsdp1's, so that a client that builds and recognises FSDP units by torch's name uses fsdp1.
 
     Call it once before the client builds its model (``fsdp1.use_as_torch_fsdp()``), or use it as a
@@ -71,6 +86,8 @@ class use_as_torch_fsdp:  # noqa: N801 - used as a function, as torch's own cont
             replacements += [(module, "ShardedGradScaler", ShardedGradScaler)
                              for module in map(importlib.import_module, TORCH_SCALER_MODULES)
                              if hasattr(module, "ShardedGradScaler")]
+            replacements += [(module, name, value) for module in map(importlib.import_module, TORCH_FSDP2_MODULES)
+                             for name, value in FSDP2_NAMES.items() if hasattr(module, name)]
             replacements += [(helpers, "FSDP", FullyShardedDataParallel),
                              (helpers, lookup, _unit_state_or(getattr(helpers, lookup)))]
             for module, attribute, value in replacements:

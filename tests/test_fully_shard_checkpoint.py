@@ -7,7 +7,9 @@ the checkpoint and went on training.
   into fsdp1's and torch's ``fully_shard`` alike.
 - DCP through ``torch.distributed.checkpoint.state_dict``'s helpers, model and AdamW: a checkpoint
   written by fsdp1's ``fully_shard`` resumes in fsdp1's and in torch's, and torch's resumes in
-  fsdp1's, each continuing bit for bit as the writer did.
+  fsdp1's, each continuing bit for bit as the writer did. Resumes load into copies of the templates,
+  so that the values reach the model and the optimizer only through the ``set_*`` helpers (DCP
+  would otherwise fill the model's and the optimizer's own tensors in place).
 - FSDP1 → FSDP2 migration: a SHARDED_STATE_DICT checkpoint of fsdp1's ``FullyShardedDataParallel``
   resumes in ``fully_shard``, and back, bit for bit.
 - Full state dicts (``full_state_dict=True``, with ``cpu_offload`` and ``broadcast_from_rank0``):
@@ -18,6 +20,9 @@ the checkpoint and went on training.
   ``python -m tools.checkpoint`` inspects and consolidates a checkpoint DCP wrote from one.
 """
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,6 +48,7 @@ from fsdp1 import StateDictType
 
 from _harness import run_on_ranks
 from _models import VOCAB, TinyGPT, batch, global_batch, lm_loss, train_steps, wrap_fsdp1
+from tools import checkpoint as checkpoint_tool
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
@@ -89,6 +95,23 @@ def _full_values(model) -> dict:
     return {k: v.full_tensor() if isinstance(v, DTensor) else v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def _copies(tree):
+    """``tree`` with every tensor copied (a DTensor keeps its mesh, placements and global shape). The
+    state dicts of a ``fully_shard`` model and of ``get_optimizer_state_dict`` hold the model's and
+    the optimizer's own tensors, which ``dcp.load`` would fill in place; loading into copies instead
+    makes the values reach the model and the optimizer only through the load calls under test."""
+    if isinstance(tree, dict):
+        return {key: _copies(value) for key, value in tree.items()}
+    if isinstance(tree, list):
+        return [_copies(value) for value in tree]
+    if isinstance(tree, DTensor):
+        return DTensor.from_local(tree.to_local().detach().clone(), tree.device_mesh, tree.placements, run_check=False,
+                                  shape=tree.shape, stride=tree.stride())
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    return tree
+
+
 def _locals(state_dict: dict) -> dict:
     return {k: (v.to_local() if isinstance(v, DTensor) else v).detach().clone() for k, v in state_dict.items()}
 
@@ -99,8 +122,11 @@ def _next_loss(model) -> float:
         return lm_loss(model, *batch(STEPS, dist.get_rank(), dist.get_world_size())).item()
 
 
-def assert_bitwise(actual: dict, expected: dict) -> None:
-    assert list(actual) == list(expected), (list(actual), list(expected))
+def assert_bitwise(actual: dict, expected: dict, ordered: bool = True) -> None:
+    """The same keys (in the same order unless ``ordered`` is False), dtypes and values, bit for bit."""
+    if ordered:
+        assert list(actual) == list(expected), (list(actual), list(expected))
+    assert sorted(actual) == sorted(expected), (sorted(actual), sorted(expected))
     for key, tensor in expected.items():
         assert actual[key].dtype == tensor.dtype and torch.equal(actual[key], tensor), key
 
@@ -198,7 +224,7 @@ def _save_then_continue(impl: str, api: str, path: str):
 def _resume(impl: str, api: str, path: str):
     model = _sharded(impl, seed=1)
     optim = _adamw(model.parameters())
-    state = _app_state(model, optim, api)  # templates: a fresh optimizer's state is made first
+    state = _copies(_app_state(model, optim, api))  # templates: a fresh optimizer's state is made first
     dcp.load(state, checkpoint_id=path)
     if api == "get_state_dict":
         set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
@@ -237,10 +263,10 @@ def _fsdp1_wrapper_saves_then_continues(path: str):
 def _fully_shard_resumes(path: str):
     model = _sharded("fsdp1", seed=1)
     optim = _adamw(model.parameters())
-    model_state = {"model": model.state_dict()}
+    model_state = _copies({"model": model.state_dict()})
     dcp.load(model_state, checkpoint_id=path)
     model.load_state_dict(model_state["model"])
-    optim_state = {"optim": get_optimizer_state_dict(model, optim)}
+    optim_state = _copies({"optim": get_optimizer_state_dict(model, optim)})
     dcp.load(optim_state, checkpoint_id=path)
     set_optimizer_state_dict(model, optim, optim_state["optim"])
     return train_steps(model, optim, STEPS, STEPS), _full_values(model)
@@ -316,7 +342,9 @@ def _full_state_dict_and_loads():
         ("ddp_module", by_ddp, StateDictOptions(full_state_dict=True)),
     ):
         reader = _sharded("fsdp1", seed=1)
-        set_model_state_dict(reader, source, options=options)
+        # a copy: torch's helper puts the DTensors it made into the dict it was given (and with
+        # broadcast_from_rank0 frees the storages of rank 0's tensors)
+        set_model_state_dict(reader, _copies(source), options=options)
         loaded[how] = (_full_values(reader), _locals(reader.state_dict()))
     return {
         "on_cpu": on_cpu, "on_cpu_devices": {str(v.device) for v in on_cpu.values()},
@@ -334,7 +362,7 @@ def test_full_state_dict_is_the_unsharded_models_and_loads_back():
             assert result["on_cpu_types"] == {"Tensor"} and result["on_cpu_devices"] == {"cpu"}
             assert_bitwise(result["on_cpu"], expected)  # the plain model's keys and order, DDP's values bitwise
         else:
-            assert result["on_cpu"] == {}  # cpu_offload gathers onto rank 0 only, as torch's
+            assert result["on_cpu"] == {}  # with cpu_offload the helper gathers onto rank 0 only
         assert_bitwise(result["everywhere"], expected)
         for name, tensor in result["one_process"].items():
             # one process over the global batch rounds its mean loss otherwise: equal to float32 rounding
@@ -342,3 +370,127 @@ def test_full_state_dict_is_the_unsharded_models_and_loads_back():
         for how, (full, local) in result["loaded"].items():
             assert_bitwise(full, expected)
             assert_bitwise(local, result["writer_locals"])  # each rank its rows, as the writer's
+
+
+# ----------------------------------------------------------------------- beyond torch: plain full tensors
+def _error_of(call) -> tuple:
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001 - the test inspects it
+        return type(error).__name__, str(error)
+    return None, ""
+
+
+def _plain_full_state_dict_loads():
+    plain = make_model(seed=1)
+    plain_state = plain.state_dict()  # plain tensors of the full shapes
+    expected = _copies(plain_state)
+    by_plain = _sharded("fsdp1")
+    incompatible = by_plain.load_state_dict(plain_state)  # strict
+    plain_state_after = _copies(plain_state)
+    with torch.no_grad():
+        for tensor in plain_state.values():
+            tensor.add_(1.0)  # the model took copies: this changes nothing it holds
+    loaded = _full_values(by_plain)
+    by_dtensors = _sharded("fsdp1")
+    by_dtensors.load_state_dict(_sharded("fsdp1", seed=1).state_dict())
+    reference = _sharded("torch", seed=1)  # torch's fully_shard built on the same values
+    theirs = _sharded("torch")
+    refusal = _error_of(lambda: theirs.load_state_dict(make_model(seed=1).state_dict()))
+    trained = {}
+    for name, model in (("plain", by_plain), ("dtensors", by_dtensors), ("torch", reference)):
+        trained[name] = (train_steps(model, _adamw(model.parameters()), 0, STEPS), _full_values(model))
+    return (incompatible.missing_keys, incompatible.unexpected_keys), expected, plain_state_after, loaded, trained, refusal
+
+
+def test_plain_full_state_dict_loads_into_fully_shard_and_trains_as_loaded_through_dtensors():
+    results = run_on_ranks(2, _plain_full_state_dict_loads)
+    for incompatible, expected, plain_state_after, loaded, trained, refusal in results:
+        assert incompatible == ([], [])
+        assert_bitwise(plain_state_after, expected)  # the load left its source as it was
+        assert_bitwise(loaded, expected)  # each rank took its rows: together the full values
+        for name in ("plain", "dtensors"):
+            assert trained[name][0] == trained["torch"][0], name  # the same losses, bitwise
+            assert_bitwise(trained[name][1], trained["torch"][1])
+        kind, message = refusal
+        # torch's fully_shard refuses them: the global shapes agree, so no size mismatch, but copying a
+        # plain tensor into a DTensor parameter fails
+        assert kind == "RuntimeError", refusal
+        assert 'While copying the parameter named "pos"' in message and "got mixed torch.Tensor and DTensor" in message
+
+
+# ------------------------------------------------------------------------- fsdp1.checkpoint and the tool
+def _fsdp1_checkpoint_saves_then_continues(path: str, async_path: str):
+    from fsdp1 import checkpoint
+
+    model = _sharded("fsdp1")
+    optim = _adamw(model.parameters())
+    train_steps(model, optim, 0, STEPS)
+    checkpoint.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, optim), "step": STEPS}, path)
+    saver = checkpoint.AsyncSaver()
+    saver.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, optim), "step": STEPS}, async_path)
+    losses = train_steps(model, optim, STEPS, STEPS)  # while the background save runs: it saved a snapshot
+    saver.wait()
+    return losses, _full_values(model)
+
+
+def _fsdp1_checkpoint_resumes(path: str):
+    from fsdp1 import checkpoint
+
+    model = _sharded("fsdp1", seed=1)
+    optim = _adamw(model.parameters())
+    state = _copies({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, optim), "step": 0})
+    checkpoint.load(state, path, validate_finite=True)
+    model.load_state_dict(state["model"])
+    set_optimizer_state_dict(model, optim, state["optim"])
+    return state["step"], train_steps(model, optim, STEPS, STEPS), _full_values(model)
+
+
+def test_fsdp1_checkpoint_saves_and_loads_a_fully_shard_model_and_optimizer_bit_for_bit(tmp_path):
+    paths = [str(tmp_path / "step_2"), str(tmp_path / "step_2_async")]
+    continued = run_on_ranks(2, _fsdp1_checkpoint_saves_then_continues, *paths)
+    for path in paths:
+        assert (Path(path) / "fsdp1_manifest.json").is_file()  # committed
+        resumed = run_on_ranks(2, _fsdp1_checkpoint_resumes, path)
+        for (step, losses, values), (expected_losses, expected_values) in zip(resumed, continued):
+            assert step == STEPS
+            assert losses == expected_losses, path  # bitwise
+            assert_bitwise(values, expected_values)
+
+
+def _dcp_save_for_the_tool(path: str):
+    model = _sharded("fsdp1")
+    optim = _adamw(model.parameters())
+    train_steps(model, optim, 0, STEPS)
+    dcp.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, optim)}, checkpoint_id=path)
+    full_optim = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
+    return _full_values(model), {fqn: _copies(state) for fqn, state in full_optim["state"].items()}
+
+
+def test_tool_inspects_and_consolidates_a_dcp_checkpoint_of_a_fully_shard_model(tmp_path):
+    directory = tmp_path / "ckpt"
+    full_model, full_optim = run_on_ranks(2, _dcp_save_for_the_tool, str(directory))[0]
+    listing = subprocess.run([sys.executable, "-m", "tools.checkpoint", "inspect", str(directory), "--json"], cwd=REPO,
+                             capture_output=True, text=True, check=True)
+    entries = {entry["key"]: entry for entry in json.loads(listing.stdout)["entries"]}
+    for key, tensor in full_model.items():
+        entry = entries[f"model.{key}"]
+        assert (entry["shape"], entry["dtype"]) == (list(tensor.shape), "float32"), key
+        # a parameter: one chunk per rank (each holds rows); a buffer: one, every rank holding the same
+        assert entry["chunks"] == (1 if key == "temperature" else 2), key
+    for fqn, state in full_optim.items():
+        assert entries[f"optim.state.{fqn}.exp_avg"]["chunks"] == 2, fqn
+
+    model_file, everything_file = tmp_path / "model.pt", tmp_path / "all.pt"
+    assert checkpoint_tool.main(["consolidate", str(directory), str(model_file), "--prefix", "model."]) == 0
+    assert checkpoint_tool.main(["consolidate", str(directory), str(everything_file)]) == 0
+    consolidated = torch.load(model_file, weights_only=True)
+    assert_bitwise(consolidated, full_model, ordered=False)  # a checkpoint keeps no order
+    plain = make_model(seed=1)
+    plain.load_state_dict(consolidated, strict=True)  # the plain model takes it as it is
+    assert_bitwise(plain.state_dict(), full_model)
+    everything = torch.load(everything_file, weights_only=False)
+    assert_bitwise(everything["model"], full_model, ordered=False)
+    assert sorted(everything["optim"]["state"]) == sorted(full_optim)
+    for fqn, state in full_optim.items():
+        assert_bitwise({k: everything["optim"]["state"][fqn][k] for k in state}, state)  # AdamW's moments, full
