@@ -377,6 +377,8 @@ class OrigParamViews(ParamViews):
     def take_user_grads(self) -> bool:
         if not self._grad_views:
             return True
+        if self.every_grad_dropped():  # zero_grad(): nothing to keep
+            return False
         any_grad = False
         with torch.no_grad():
             for slot, view in zip(self.slots, self._grad_views):
