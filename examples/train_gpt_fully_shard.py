@@ -31,8 +31,9 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from torch.nn import functional as F
 
 import fsdp1
-from examples.train_gpt import DEFAULT_TEXT, GPT, batch, init_distributed, latest_checkpoint, load_corpus, mean_over_ranks
 from fsdp1 import checkpoint
+
+from examples.train_gpt import DEFAULT_TEXT, GPT, batch, init_distributed, latest_checkpoint, load_corpus, mean_over_ranks
 
 
 def shard(model: GPT, bf16: bool) -> GPT:
