@@ -171,6 +171,12 @@ def device_mesh_of(group: ProcessGroup, device_type: str) -> DeviceMesh:
     return DeviceMesh.from_group(group, device_type)
 
 
+def regrouped_mesh(mesh: DeviceMesh, group_size: int) -> DeviceMesh:
+    """A 2-D mesh over a 1-D ``mesh``'s ranks whose second dimension groups consecutive runs of
+    ``group_size`` of them. Collective: every rank of ``mesh`` creates its groups."""
+    return DeviceMesh(mesh.device_type, mesh.mesh.view(-1, group_size))
+
+
 def scatter_from_first(output: torch.Tensor, full: Optional[torch.Tensor], group: ProcessGroup) -> None:
     """Rank r of ``group`` receives the r-th equal chunk of the first rank's ``full`` (None elsewhere)."""
     chunks = list(full.chunk(group_size(group))) if full is not None else None

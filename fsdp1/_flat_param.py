@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from . import _collectives as comm
-from ._dtensor_views import DTensorParamViews, RowSharding
+from ._dtensor_views import DTensorParamViews, PostForwardRows, RowSharding
 from ._flat_grad import FlatGrad, to_host
 from ._layout import FlatShardLayout, ParamLayout, RowShardLayout, alloc_storage
 from ._mixed_precision import HandlePrecision
@@ -147,6 +147,7 @@ class FlatParamHandle:
         if self._needs_unshard:
             self._free_unsharded()
         self._gather_work: Optional[comm.Waitable] = None
+        self.post_forward_rows: Optional[PostForwardRows] = None  # fully_shard(reshard_after_forward=k)
         self._forward_views: List[torch.Tensor] = []  # the last forward's, tied to autograd
 
     # ----------------------------------------------------------------------------- construction and queries
@@ -258,6 +259,14 @@ class FlatParamHandle:
             if self._unsharded_buffer is target:
                 return
             self.reshard()
+        rows = self.post_forward_rows
+        if rows is not None and rows.holds:
+            if target is self._low_precision_buffer or not self._precision.gathers_low_precision:
+                rows.gather_into(target, self.path)  # backward after reshard_after_forward=k
+                self._unsharded_buffer = target
+                self.state = HandleState.UNSHARDED
+                return
+            rows.drop()
         self._unsharded_buffer = target
         if target is self._local_shard:  # not sharded, full precision: the shard is the parameter
             self.state = HandleState.UNSHARDED
@@ -326,10 +335,24 @@ class FlatParamHandle:
         if self._unsharded_buffer is not self._local_shard:
             self.flat_param.data = self._local_shard
 
-    def reshard(self) -> None:
+    def reshard_after_forward(self) -> None:
+        """The end of a forward that frees the unit: with ``post_forward_rows`` this rank keeps its
+        rows over their smaller group, which the module shows until backward gathers from them."""
+        rows = self.post_forward_rows
+        if rows is None or self.state is not HandleState.UNSHARDED or self._unsharded_buffer is self._local_shard:
+            self.reshard()
+            return
+        shown = rows.keep(self._unsharded_buffer)
+        self.reshard(keep_post_forward_rows=True)
+        self.views.install(shown, as_parameters=True)
+
+    def reshard(self, keep_post_forward_rows: bool = False) -> None:
         """Point everything back at the local shard and free the unsharded storage (no-op when sharded:
         the end-of-backward catch-all calls it for every unit). A prefetched all-gather that nobody
         waited for is finished first, so the collective never writes into freed storage."""
+        if self.post_forward_rows is not None and not keep_post_forward_rows and self.post_forward_rows.holds:
+            self.post_forward_rows.drop()
+            self.views.show_sharded(self._local_shard, self.layout)
         if self.state is HandleState.SHARDED:
             return
         try:

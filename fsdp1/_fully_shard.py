@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from . import _collectives as comm
 from ._common import TrainingState
-from ._dtensor_views import DTensorParamViews, RowSharding
+from ._dtensor_views import DTensorParamViews, PostForwardRows, RowSharding
 from ._flat_param import FlatParamHandle
 from ._layout import RowShardLayout
 from ._mixed_precision import HandlePrecision
@@ -157,6 +157,9 @@ class FSDPModule(nn.Module):
             raise ValueError(f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}")  # torch's
         for state in _states(self, recurse):
             state.schedule.reshard_after_forward = reshard_after_forward
+            if state.handle is not None and state.handle.post_forward_rows is not None:
+                state.handle.reshard()  # rows kept by an int reshard_after_forward go with it
+                state.handle.post_forward_rows = None
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """False keeps the parameters gathered after backward (for the next micro-batch)."""
@@ -264,7 +267,9 @@ def fully_shard(
     shard_group = groups[-1]
     replicate_group = groups[0] if mesh.ndim == 2 else None
     placements: Tuple[Placement, ...] = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
-    after_forward = _reshard_after_forward(reshard_after_forward, comm.group_size(shard_group))
+    after_forward, rows_group_size = _reshard_after_forward(reshard_after_forward, comm.group_size(shard_group))
+    if rows_group_size and mesh.ndim != 1:
+        raise NotImplementedError(f"fsdp1: reshard_after_forward={reshard_after_forward} on a 2-D mesh (HSDP) is not supported yet.")
     policy = _mixed_precision_policy(mp_policy)
     offload = _offload_policy(offload_policy)
     ignored = {id(p) for p in ignored_params or ()}
@@ -281,6 +286,8 @@ def fully_shard(
         # torch's FSDP2 averages with ReduceOp.AVG (sum, then divide) outside fp16: one division of
         # the reduced shard instead of one of the whole gradient before the reduction
         handle.grad.set_divide_factor(comm.group_size(shard_group) * (comm.group_size(replicate_group) if replicate_group else 1))
+    if handle is not None and rows_group_size:
+        _keep_rows_after_forward(handle, mesh, rows_group_size)
     compute_device = handle.compute_device if handle is not None else torch.device(mesh.device_type)
     mixed_precision = None
     if policy.param_dtype is not None or policy.reduce_dtype is not None:
@@ -300,6 +307,15 @@ def fully_shard(
             _register_state_dict_hooks(each, handle)
         each.__class__ = _fsdp_class(type(each))
     return modules if isinstance(module, list) else module
+
+
+def _keep_rows_after_forward(handle: FlatParamHandle, mesh: comm.DeviceMesh, group_size: int) -> None:
+    """After forward, keep each rank's rows over consecutive runs of ``group_size`` ranks, shown as
+    torch's are: ``(Replicate(), Shard(0))`` on a ``(world / group_size, group_size)`` mesh."""
+    assert isinstance(handle.layout, RowShardLayout), "fully_shard's handle"
+    regrouped = comm.regrouped_mesh(mesh, group_size)
+    handle.post_forward_rows = PostForwardRows(handle.layout, comm.mesh_groups(regrouped)[1],
+                                               RowSharding(regrouped, (Replicate(), Shard(0))))
 
 
 def _check_module(module: nn.Module) -> None:
@@ -327,27 +343,24 @@ def _default_mesh() -> comm.DeviceMesh:
     return comm.device_mesh_of(comm.default_group(), device_type)
 
 
-def _reshard_after_forward(value: Optional[Union[bool, int]], shard_size: int) -> Optional[bool]:
-    """None, True or False as given; an int ``k`` is False for 1, True for the shard size, and
-    resharding onto ``k`` ranks otherwise, which is not supported yet."""
+def _reshard_after_forward(value: Optional[Union[bool, int]], shard_size: int) -> Tuple[Optional[bool], int]:
+    """The schedule's flag, and the group size the rows are kept over after forward (0: none). An
+    int ``k`` is False for 1, True for the shard size, and rows kept over ``k`` ranks otherwise."""
     if value is None or isinstance(value, bool):
-        return value
+        return value, 0
     if not isinstance(value, int):
         raise ValueError(f"fsdp1: reshard_after_forward must be None, a bool or an int, got {type(value).__name__}.")
     if value == 1:
         warnings.warn("reshard_after_forward=1 is the same as False: the parameters stay gathered after forward.", stacklevel=3)
-        return False
+        return False, 0
     if value == shard_size:
-        return True
+        return True, 0
     if value < 1 or shard_size % value != 0:
         raise ValueError(  # torch's type
             f"reshard_after_forward={value} must be a positive divisor of the shard world size {shard_size}. "
             "fsdp1: pass True, False or a divisor of the number of ranks each parameter is sharded over."
         )
-    raise NotImplementedError(
-        f"fsdp1: reshard_after_forward={value} (resharding onto {value} ranks after forward) is not supported yet; "
-        "pass True (free after forward) or False (keep gathered)."
-    )
+    return True, value
 
 
 def _mixed_precision_policy(policy: Any) -> MixedPrecisionPolicy:

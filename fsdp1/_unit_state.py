@@ -302,7 +302,9 @@ class UnitState:
             handle = self.handle
             if handle is not None:
                 self.root_state.order.record_post_forward(self)
-                if self._reshards_after_forward() or handle.computes_on_low_precision_copy:
+                if self._reshards_after_forward():
+                    handle.reshard_after_forward()
+                elif handle.computes_on_low_precision_copy:
                     handle.reshard()
                 else:
                     handle.keep_gathered_for_backward()

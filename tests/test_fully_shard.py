@@ -164,6 +164,36 @@ def test_what_is_registered_after_forward_backward_and_evaluation_is_torchs(resh
         assert ours == theirs
 
 
+def _reshard_onto_two_ranks():
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    seen = []
+    for shard in (fsdp1.fully_shard, _torch_fully_shard()):
+        model = _shard_gpt(make_gpt(), shard, reshard_after_forward=2)
+        optim = adam(model.parameters())
+        losses, between = [], []
+        for step in range(3):
+            loss = lm_loss(model, *batch(step, rank, world_size))
+            weight = model.blocks[0].fc.weight  # between forward and backward: rows over 2 ranks
+            between.append((type(weight).__name__, tuple(weight.placements), tuple(weight.device_mesh.mesh.shape),
+                            tuple(weight.to_local().shape), weight.full_tensor().sum().item()))
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            losses.append(loss.item())
+        after = model.blocks[0].fc.weight
+        seen.append((losses, between, tuple(after.placements), _locals(model)))
+    (ours, ours_between, ours_after, ours_params), (theirs, theirs_between, theirs_after, theirs_params) = seen
+    same = all(torch.equal(a, b) for a, b in zip(ours_params, theirs_params))
+    return ours, theirs, ours_between, theirs_between, ours_after, theirs_after, same
+
+
+def test_reshard_after_forward_onto_two_of_four_ranks_is_torchs():
+    for ours, theirs, ours_between, theirs_between, ours_after, theirs_after, same in run_on_ranks(4, _reshard_onto_two_ranks):
+        assert ours == theirs and same  # bitwise, backward gathering over 2 ranks only
+        assert ours_between == theirs_between  # (Replicate(), Shard(0)) on a 2x2 mesh, torch's rows and values
+        assert ours_after == theirs_after  # Shard(0) over 4 ranks again after backward
+
+
 def _unshard_and_reshard():
     model = _shard_gpt(make_gpt(), fsdp1.fully_shard)
     full = {n: p.full_tensor() for n, p in model.named_parameters()}
