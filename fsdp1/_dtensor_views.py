@@ -54,7 +54,11 @@ class DTensorParamViews(OrigParamViews):
     def __init__(self, slots: Sequence[ParamSlot], owner: nn.Module, sharding: RowSharding) -> None:
         super().__init__(slots, owner)
         self.sharding = sharding
-        self._grad_dtensors: List[Optional[DTensor]] = []  # the .grad DTensors shown, by parameter
+        # The optimizer's gradient is held by the .grad DTensors alone (their local tensors view it),
+        # so that zero_grad() frees it, as under torch's FSDP2; these are weak.
+        self._grad: Optional["weakref.ref[torch.Tensor]"] = None
+        self._grads_shown: List[Optional["weakref.ref[DTensor]"]] = []  # by parameter
+        self._grad_layout: Optional[Tuple[ParamLayout, int]] = None  # where each part of it lies
         # Each original Parameter the DTensors replaced, by id, held weakly (its storage must go) with
         # where it was registered: a tied registration elsewhere still holds it.
         self.replaced: Dict[int, Tuple["weakref.ref[nn.Parameter]", nn.Module, str]] = {}
@@ -133,28 +137,38 @@ class DTensorParamViews(OrigParamViews):
             written = True
         return written
 
+    holds_grad = True
+
+    def held_grad(self) -> Optional[torch.Tensor]:
+        return None if self._grad is None else self._grad()
+
     def show_grads(self, grad: Optional[torch.Tensor], layout: ParamLayout, start: int) -> None:
         """DTensor gradients viewing ``grad`` (over the shard from element ``start``): every rank gets
         one for every trainable parameter, an empty local one where it holds no rows, so that
         collectives over the gradients (``clip_grad_norm_``) run alike on every rank."""
-        self._grad_views, self._grad_dtensors = [], []
+        assert grad is None or grad._base is None, "the DTensor gradients' views keep their base alive"
+        self._grad = None if grad is None else weakref.ref(grad)
+        self._grad_layout = (layout, start)
+        self._grads_shown = []
         for index, (slot, requires_grad) in enumerate(zip(self.slots, self.requires_grad)):
-            param, local, shown = slot.live_param, None, None
+            param, shown = slot.live_param, None
             if grad is not None and requires_grad:
-                info = layout.shard_infos[index]
-                local = layout.local_view(grad, index, start) if info.in_shard else grad.new_empty((0, *param.shape[1:]))
-                shown = _grad_of(param, local)
-            self._grad_views.append(local)
-            self._grad_dtensors.append(shown)
+                shown = _grad_of(param, self._local_grad(grad, index))
+            self._grads_shown.append(None if shown is None else weakref.ref(shown))
             param.grad = shown
-        if grad is None:
-            self._grad_views = []
+
+    def _local_grad(self, grad: torch.Tensor, index: int) -> torch.Tensor:
+        assert self._grad_layout is not None, "set with the gradient"
+        layout, start = self._grad_layout
+        if layout.shard_infos[index].in_shard:
+            return layout.local_view(grad, index, start)
+        return grad.new_empty((0, *self.shapes[index][1:]))
 
     def show_unreduced_grads(self, flat_grad: torch.Tensor, layout: ParamLayout) -> None:
         """An unsynchronised backward leaves no ``.grad`` on the sharded parameters, as torch's FSDP2:
         the unreduced sum stays with the unit until a backward synchronises it, and shows on the
         unsharded parameters if the unit stays gathered."""
-        self._grad_views, self._grad_dtensors = [], []
+        self._grad, self._grads_shown = None, []
         for slot in self.slots:
             slot.live_param.grad = None
         if self._installed is not None:
@@ -165,22 +179,23 @@ class DTensorParamViews(OrigParamViews):
         return False  # a zero_grad() between unsynchronised backwards leaves their sum, as torch's FSDP2
 
     def take_user_grads(self) -> bool:
-        if not self._grad_views:
-            return True
-        if all(slot.live_param.grad is None for slot in self.slots):  # zero_grad(): nothing to keep
+        """The user's changes of the ``.grad`` DTensors: None zeroes that part (once every one is None
+        the gradient is already freed), another tensor is copied in."""
+        held = self.held_grad()
+        if held is None:
             return False
         any_grad = False
         with torch.no_grad():
-            for slot, local, shown in zip(self.slots, self._grad_views, self._grad_dtensors):
-                if local is None:
+            for index, (slot, shown_ref) in enumerate(zip(self.slots, self._grads_shown)):
+                if shown_ref is None:
                     continue
                 grad = slot.live_param.grad
                 if grad is None:
-                    local.zero_()
+                    self._local_grad(held, index).zero_()
                     continue
                 any_grad = True
-                if grad is not shown:
-                    local.copy_(grad.to_local() if isinstance(grad, DTensor) else grad)
+                if grad is not shown_ref():
+                    self._local_grad(held, index).copy_(grad.to_local() if isinstance(grad, DTensor) else grad)
         return any_grad
 
     def expose_full(self, flat_param: nn.Parameter, views: List[torch.Tensor]) -> List[nn.Parameter]:

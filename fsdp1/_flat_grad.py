@@ -138,6 +138,8 @@ class FlatGrad:
 
     @property
     def _optim_grad(self) -> Optional[torch.Tensor]:
+        if self._views.holds_grad:
+            return self._views.held_grad()
         return self._flat_param.grad if self._span_is_whole_shard() else self._span_grad
 
     def _span_is_whole_shard(self) -> bool:
@@ -146,7 +148,9 @@ class FlatGrad:
     def _set_for_optim(self, grad: Optional[torch.Tensor]) -> None:
         """Hand ``grad`` (over the span) to the optimizer: as the flat parameter's ``.grad`` when it
         covers the whole shard, and through the views on the original parameters."""
-        if self._span_is_whole_shard():
+        if self._views.holds_grad:  # the views alone hold it, so that zero_grad() frees it
+            self._flat_param.grad = self._span_grad = None
+        elif self._span_is_whole_shard():
             assign_grad(self._flat_param, grad)
             self._span_grad = None
         else:

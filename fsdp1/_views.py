@@ -223,6 +223,14 @@ class ParamViews(ABC):
     def show_unreduced_grads(self, flat_grad: torch.Tensor, layout: ParamLayout) -> None:
         """Inside ``no_sync``, after a backward: ``flat_grad`` holds this rank's unreduced sums."""
 
+    holds_grad = False
+    """Whether the optimizer's gradient lives only as long as the parameters' ``.grad`` views of it
+    (the views keep it; the handle holds it weakly, through ``held_grad``)."""
+
+    def held_grad(self) -> Optional[torch.Tensor]:
+        """The optimizer's gradient, while a ``.grad`` still views it (``holds_grad`` only)."""
+        return None
+
     def every_grad_dropped(self) -> bool:
         """Whether the user set every original parameter's ``.grad`` to None."""
         return False
