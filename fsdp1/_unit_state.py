@@ -247,10 +247,11 @@ class UnitState:
     @staticmethod
     def _start_iteration(state: RootState) -> None:
         """The root's forward: recover from an aborted iteration, then bring every unit up to date. A
-        unit still gathered by a forward whose backward never came (an eval forward with grad
-        enabled) may hold values an optimizer step has since changed: gather it afresh. Inside
-        ``no_sync`` SHARD_GRAD_OP keeps its gathered parameters on purpose, and no step comes
-        between. A flat parameter a client replaced (Accelerate's upcast) becomes the shard."""
+        unit still gathered by a forward whose backward never came (an eval forward, which fully_shard
+        units do not reshard after) may hold values an optimizer step has since changed: gather it
+        afresh. Between the backwards of one accumulation (``no_sync``) a unit kept gathered keeps
+        its parameters on purpose, and no step comes between. A flat parameter a client replaced
+        (Accelerate's upcast) becomes the shard."""
         comm.health_of(state.process_group).raise_if_broken()
         if not state.is_clean() and not inside_backward():
             state.recover()
@@ -262,7 +263,7 @@ class UnitState:
             if handle is None:
                 continue
             handle.write_back_orig_params()  # first: resharding puts the originals back in the module
-            if member.sync_gradients:
+            if member.sync_gradients or not handle.grad.is_unreduced:
                 handle.reshard()
             handle.adopt_replaced_flat_param()
             handle.grad.take_user_changes()

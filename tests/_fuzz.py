@@ -1,6 +1,6 @@
 """The fuzzer's cases and their two runs: a case (plain JSON, drawn by
 ``test_fuzz.py``'s hypothesis strategies) is a module tree, a wrap policy, a world size, options and
-a program of everyday and misuse calls. ``run_case`` runs it on fresh processes, forked from a
+a program of everyday and misuse calls, run through ``FullyShardedDataParallel`` or ``fully_shard``. ``run_case`` runs it on fresh processes, forked from a
 forkserver that imported torch once (a spawned process costs ~5 s here, a fork ~50 ms), each with a
 hard deadline; ``replay`` runs the same program on one process over the global batch. The test then
 holds fsdp1 to: every rank matches the replay, or every rank raised the same named error.
@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 BATCH = 3
 LR = 0.1
@@ -130,10 +131,32 @@ def _policy(case: Dict[str, Any]):
     return None
 
 
+def _fully_sharded(case: Dict[str, Any]) -> nn.Module:
+    """fully_shard's version of the case: each module the policy picks (children first; a size policy
+    picks the Sequentials holding at least ``min_params``), then the root."""
+    import fsdp1
+
+    model = build(case)
+    wrap, options = case["wrap"], case["options"]
+    kwargs: Dict[str, Any] = {"reshard_after_forward": options["reshard_after_forward"]}
+    if wrap["policy"] == "classes":
+        picked = [m for m in model.modules() if type(m).__name__ in wrap["classes"] and m is not model]
+    elif wrap["policy"] == "size":
+        picked = [m for m in model.modules() if isinstance(m, nn.Sequential)
+                  and sum(p.numel() for p in m.parameters()) >= wrap["min_params"]]
+    else:
+        picked = []
+    for module in reversed(picked):  # modules() lists parents first
+        fsdp1.fully_shard(module, **kwargs)
+    return fsdp1.fully_shard(model, **kwargs)
+
+
 def _wrapped(case: Dict[str, Any]) -> nn.Module:
     import fsdp1
 
     options = case["options"]
+    if options["api"] == "fully_shard":
+        return _fully_sharded(case)
     return fsdp1.FullyShardedDataParallel(
         build(case), auto_wrap_policy=_policy(case), use_orig_params=options["use_orig_params"],
         sharding_strategy=fsdp1.ShardingStrategy[options["sharding"]], sync_module_states=options["sync_module_states"],
@@ -148,6 +171,8 @@ def _run_program(case: Dict[str, Any], rank: int) -> Dict[str, Any]:
 
     FSDP = fsdp1.FullyShardedDataParallel
     model = _wrapped(case)
+    fully_sharded = case["options"]["api"] == "fully_shard"
+    summon = model.summon_full_params if fully_sharded else lambda: FSDP.summon_full_params(model)
     optim = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR, momentum=case["options"]["momentum"])
     seen: List[Any] = []
     for step, op in enumerate(case["program"]):
@@ -158,7 +183,10 @@ def _run_program(case: Dict[str, Any], rank: int) -> Dict[str, Any]:
             if op == "metric_between":
                 with torch.no_grad():
                     seen.append(loss_of(model(batch(case, step, 9))).item())
-            if op == "clip":
+            if op == "clip" and fully_sharded:  # the DTensor gradients' own norm
+                norm = nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], MAX_NORM)
+                seen.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).item())
+            elif op == "clip":
                 seen.append(model.clip_grad_norm_(MAX_NORM).item())
             optim.step()
             optim.zero_grad()
@@ -174,18 +202,23 @@ def _run_program(case: Dict[str, Any], rank: int) -> Dict[str, Any]:
         elif op == "eval":
             with torch.no_grad():
                 seen.append(loss_of(model(x)).item())
+        elif op in ("sd_full", "sd_sharded") and fully_sharded:  # DTensors; full: plain tensors, which fsdp1 loads
+            state = model.state_dict()
+            if op == "sd_full":
+                state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+            model.load_state_dict(state)
         elif op in ("sd_full", "sd_sharded"):
             kind = fsdp1.StateDictType.FULL_STATE_DICT if op == "sd_full" else fsdp1.StateDictType.SHARDED_STATE_DICT
             with FSDP.state_dict_type(model, kind):
                 model.load_state_dict(model.state_dict())
         elif op == "summon":
-            with FSDP.summon_full_params(model):
+            with summon():
                 seen.append({name: p.detach().flatten().tolist() for name, p in model.named_parameters()})
         elif op in ("nested_summon", "forward_in_summon"):  # refused, and the model as it was
             try:
-                with FSDP.summon_full_params(model):
+                with summon():
                     if op == "nested_summon":
-                        FSDP.summon_full_params(model).__enter__()
+                        summon().__enter__()
                     else:
                         model(x)
             except Exception as error:  # noqa: BLE001 - compared with the replay's "refused"
@@ -194,8 +227,12 @@ def _run_program(case: Dict[str, Any], rank: int) -> Dict[str, Any]:
             if dist.get_rank() == 0:
                 model.state_dict()
             loss_of(model(x)).backward()
-    with FSDP.state_dict_type(model, fsdp1.StateDictType.FULL_STATE_DICT):
-        final = {name: value.flatten().tolist() for name, value in model.state_dict().items()}
+    if fully_sharded:
+        final = {name: (value.full_tensor() if isinstance(value, DTensor) else value).flatten().tolist()
+                 for name, value in model.state_dict().items()}
+    else:
+        with FSDP.state_dict_type(model, fsdp1.StateDictType.FULL_STATE_DICT):
+            final = {name: value.flatten().tolist() for name, value in model.state_dict().items()}
     return {"seen": seen, "final": final}
 
 

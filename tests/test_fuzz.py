@@ -1,6 +1,8 @@
 """Fuzzes fsdp1 with hypothesis: random module trees (tied weights,
 frozen layers, buffers, unused layers, parameters with no elements, fewer rows than ranks) × wrap
-policies × world sizes 1–4 × options × programs of everyday and misuse calls. Each case runs on
+policies (for ``fully_shard``: the modules sharded before the root) × world sizes 1–4 × options
+(``FullyShardedDataParallel`` or ``fully_shard``, and each one's own) × programs of everyday and
+misuse calls. Each case runs on
 fresh processes with a hard deadline (``_fuzz.run_case``). Every case must either match one process
 over the global batch (losses, clip norms, summoned and final parameters) on every rank, or raise
 the same fsdp1 error on every rank; a hang, a crash, a rank that alone raised, or a different number
@@ -60,6 +62,8 @@ cases = st.fixed_dictionaries({
     "options": st.fixed_dictionaries({
         "use_orig_params": st.booleans(), "sharding": st.sampled_from(["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]),
         "sync_module_states": st.booleans(), "momentum": st.sampled_from([0.0, 0.9]),
+        "api": st.sampled_from(["FullyShardedDataParallel", "FullyShardedDataParallel", "fully_shard"]),
+        "reshard_after_forward": st.sampled_from([None, True, False]),
     }),
     "program": programs,
 })
@@ -100,8 +104,8 @@ def check(case):
 # Cases the fuzzer found, kept: a forward refused inside summon_full_params resharded the summoned
 # units; a SHARD_GRAD_OP unit no forward used crashed the end of a no_sync backward.
 FOUND = [
-    {'model': {'blocks': [{'k': 'unused', 'out': 6}, {'bias': False, 'frozen': False, 'k': 'linear', 'out': 1}, {'k': 'norm'}], 'vocab': 5, 'width': 1}, 'options': {'momentum': 0.9, 'sharding': 'SHARD_GRAD_OP', 'sync_module_states': True, 'use_orig_params': False}, 'program': ['step', 'step', 'step', 'clip', 'forward_in_summon', 'step'], 'seed': 153, 'world_size': 3, 'wrap': {'min_params': 48, 'policy': 'size'}},
-    {'model': {'blocks': [{'k': 'unused', 'out': 6}], 'vocab': 5, 'width': 4}, 'options': {'momentum': 0.9, 'sharding': 'SHARD_GRAD_OP', 'sync_module_states': True, 'use_orig_params': False}, 'program': ['no_sync'], 'seed': 461, 'world_size': 2, 'wrap': {'min_params': 1, 'policy': 'size'}},
+    {'model': {'blocks': [{'k': 'unused', 'out': 6}, {'bias': False, 'frozen': False, 'k': 'linear', 'out': 1}, {'k': 'norm'}], 'vocab': 5, 'width': 1}, 'options': {'momentum': 0.9, 'sharding': 'SHARD_GRAD_OP', 'sync_module_states': True, 'use_orig_params': False, 'api': 'FullyShardedDataParallel', 'reshard_after_forward': None}, 'program': ['step', 'step', 'step', 'clip', 'forward_in_summon', 'step'], 'seed': 153, 'world_size': 3, 'wrap': {'min_params': 48, 'policy': 'size'}},
+    {'model': {'blocks': [{'k': 'unused', 'out': 6}], 'vocab': 5, 'width': 4}, 'options': {'momentum': 0.9, 'sharding': 'SHARD_GRAD_OP', 'sync_module_states': True, 'use_orig_params': False, 'api': 'FullyShardedDataParallel', 'reshard_after_forward': None}, 'program': ['no_sync'], 'seed': 461, 'world_size': 2, 'wrap': {'min_params': 1, 'policy': 'size'}},
 ]
 
 
