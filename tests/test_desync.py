@@ -30,10 +30,16 @@ class ThreeBranches(nn.Module):
         return x
 
 
-def _rank_dependent_order(use_orig_params):
+def _rank_dependent_order(api):
     torch.manual_seed(0)
-    model = fsdp1.FullyShardedDataParallel(ThreeBranches(), auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({nn.Linear}),
-                                           use_orig_params=use_orig_params)
+    if api == "fully_shard":
+        model = ThreeBranches()
+        for layer in (model.a, model.b, model.c):
+            fsdp1.fully_shard(layer)
+        fsdp1.fully_shard(model)
+    else:
+        model = fsdp1.FullyShardedDataParallel(ThreeBranches(), auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({nn.Linear}),
+                                               use_orig_params=api == "use_orig_params")
     try:
         model(torch.randn(4, 8)).sum().backward()
     except RuntimeError as error:
@@ -41,9 +47,9 @@ def _rank_dependent_order(use_orig_params):
     return None
 
 
-@pytest.mark.parametrize("use_orig_params", [False, True])
-def test_units_run_in_different_orders_are_named_on_every_rank(use_orig_params):
-    for message in run_on_ranks(2, _rank_dependent_order, use_orig_params):
+@pytest.mark.parametrize("api", ["flat_params", "use_orig_params", "fully_shard"])
+def test_units_run_in_different_orders_are_named_on_every_rank(api):
+    for message in run_on_ranks(2, _rank_dependent_order, api):
         assert message is not None and "different orders in the first iteration" in message
         assert "unit #2 holding parameters: rank 0 'b', rank 1 'c'" in message
 
