@@ -26,7 +26,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Iterable, Optional, Tuple
+from typing import Callable, Iterable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -130,6 +130,17 @@ def latest_checkpoint(directory: Path) -> Tuple[int, Optional[Path]]:
     return (int(path.name[5:]), path) if path is not None else (0, None)
 
 
+def resume(directory: Path, load: Callable[[Path], None], rank: int) -> int:
+    """``load`` the latest committed checkpoint under ``directory``, if any; the first step to train."""
+    done, path = latest_checkpoint(directory)
+    if path is None:
+        return 1
+    load(path)
+    if rank == 0:
+        print(f"resumed from {path} (step {done})", flush=True)
+    return done + 1
+
+
 def save_checkpoint(model: nn.Module, optim: torch.optim.Optimizer, directory: Path, step: int, keep: int) -> None:
     """Every rank writes its own dim-0 rows of the parameters and the AdamW moments; the checkpoint is
     committed once every rank has, and only then are all but the ``keep`` latest removed."""
@@ -151,16 +162,21 @@ def load_checkpoint(model: nn.Module, optim: torch.optim.Optimizer, path: Path) 
         optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, state["optim"]))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_training_arguments(parser: argparse.ArgumentParser, steps: int) -> None:
+    """The corpus, the model's size and the optimizer's, which every GPT example takes."""
     parser.add_argument("--text", type=Path, default=DEFAULT_TEXT)
-    parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank and step")
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--lr", type=float, default=3e-3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_training_arguments(parser, steps=500)
     parser.add_argument("--strategy", choices=[s.name for s in fsdp1.ShardingStrategy][:3], default="FULL_SHARD")
     parser.add_argument("--use-orig-params", action="store_true")
     parser.add_argument("--checkpoint-dir", type=Path, default=Path("out/checkpoints"))
@@ -184,14 +200,7 @@ def main() -> None:
         use_orig_params=args.use_orig_params,
     )
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    first_step = 1
-    if args.resume:
-        done, path = latest_checkpoint(args.checkpoint_dir)
-        if path is not None:
-            load_checkpoint(model, optim, path)
-            first_step = done + 1
-            if rank == 0:
-                print(f"resumed from {path} (step {done})", flush=True)
+    first_step = resume(args.checkpoint_dir, lambda path: load_checkpoint(model, optim, path), rank) if args.resume else 1
     if first_step > args.steps:  # nothing left to train: the checkpoint is at or past --steps
         if rank == 0:
             print(f"the latest checkpoint is at step {first_step - 1}, at or past --steps {args.steps}: nothing to "

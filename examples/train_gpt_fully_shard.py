@@ -33,7 +33,15 @@ from torch.nn import functional as F
 import fsdp1
 from fsdp1 import checkpoint
 
-from examples.train_gpt import DEFAULT_TEXT, GPT, batch, init_distributed, latest_checkpoint, load_corpus, mean_over_ranks
+from examples.train_gpt import (
+    GPT,
+    add_training_arguments,
+    batch,
+    init_distributed,
+    load_corpus,
+    mean_over_ranks,
+    resume,
+)
 
 
 def shard(model: GPT, bf16: bool) -> GPT:
@@ -60,14 +68,7 @@ def load_checkpoint(model: nn.Module, optim: torch.optim.Optimizer, path: Path) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--text", type=Path, default=DEFAULT_TEXT)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank and step")
-    parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--d-model", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    add_training_arguments(parser, steps=300)
     parser.add_argument("--bf16", action="store_true", help="compute in bfloat16 (MixedPrecisionPolicy)")
     parser.add_argument("--checkpoint-dir", type=Path, default=Path("out/fully_shard_checkpoints"))
     parser.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints; 0: none")
@@ -86,12 +87,7 @@ def main() -> None:
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
     first_step = 1
     if args.resume_from is not None:
-        done, path = latest_checkpoint(args.resume_from)
-        if path is not None:
-            load_checkpoint(model, optim, path)
-            first_step = done + 1
-            if rank == 0:
-                print(f"resumed from {path} (step {done})", flush=True)
+        first_step = resume(args.resume_from, lambda path: load_checkpoint(model, optim, path), rank)
     losses: List[float] = []
     start = time.perf_counter()
     for step in range(first_step, args.steps + 1):

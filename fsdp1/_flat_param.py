@@ -313,7 +313,6 @@ class FlatParamHandle:
         self.views.install(self._forward_views, as_parameters=self.views.as_parameters, through_setattr=True)
         return pieces[0].grad_fn
 
-
     def use_forward_views(self) -> None:
         """The last forward's views again, for backward: activation checkpointing recomputes part of
         the forward then, and these are tied to the flat parameter as a reentrant recomputation needs

@@ -272,15 +272,6 @@ def _fully_shard_resumes(path: str):
     return train_steps(model, optim, STEPS, STEPS), _full_values(model)
 
 
-def test_fsdp1_sharded_state_dict_checkpoint_resumes_in_fully_shard_bit_for_bit(tmp_path):
-    path = str(tmp_path / "fsdp1")
-    continued = run_on_ranks(2, _fsdp1_wrapper_saves_then_continues, path)
-    resumed = run_on_ranks(2, _fully_shard_resumes, path)
-    for (losses, values), (expected_losses, expected_values) in zip(resumed, continued):
-        assert losses == expected_losses  # bitwise
-        assert_bitwise(values, expected_values)
-
-
 def _fully_shard_saves_then_continues(path: str):
     model = _sharded("fsdp1")
     optim = _adamw(model.parameters())
@@ -300,10 +291,14 @@ def _fsdp1_wrapper_resumes(path: str):
     return train_steps(model, optim, STEPS, STEPS), _full_values(model)
 
 
-def test_fully_shard_checkpoint_resumes_in_fsdp1_sharded_state_dict_bit_for_bit(tmp_path):
-    path = str(tmp_path / "fsdp2")
-    continued = run_on_ranks(2, _fully_shard_saves_then_continues, path)
-    resumed = run_on_ranks(2, _fsdp1_wrapper_resumes, path)
+@pytest.mark.parametrize("writer, reader", [
+    (_fsdp1_wrapper_saves_then_continues, _fully_shard_resumes),  # FSDP1 SHARDED_STATE_DICT -> fully_shard
+    (_fully_shard_saves_then_continues, _fsdp1_wrapper_resumes),  # and back
+], ids=["fsdp1_to_fully_shard", "fully_shard_to_fsdp1"])
+def test_checkpoints_move_between_fsdp1_sharded_state_dict_and_fully_shard_bit_for_bit(writer, reader, tmp_path):
+    path = str(tmp_path / "checkpoint")
+    continued = run_on_ranks(2, writer, path)
+    resumed = run_on_ranks(2, reader, path)
     for (losses, values), (expected_losses, expected_values) in zip(resumed, continued):
         assert losses == expected_losses  # bitwise
         assert_bitwise(values, expected_values)
