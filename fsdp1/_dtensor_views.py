@@ -12,7 +12,7 @@ its unsharded parameters registered.
 
 import weakref
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple, cast
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 from torch import nn
@@ -23,6 +23,9 @@ from . import _collectives as comm
 from ._layout import ParamLayout, RowShardLayout, alloc_storage
 from ._traversal import ParamSlot
 from ._views import FLATTENED, OrigParamViews
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 
 def contiguous_stride(shape: Sequence[int]) -> Tuple[int, ...]:
@@ -43,8 +46,27 @@ class RowSharding:
     def dtensor(self, local: torch.Tensor, shape: torch.Size) -> DTensor:
         """``local`` (this rank's rows) as the DTensor of global ``shape``; the shape is given, not
         inferred, since uneven rows would make every rank infer its own (a hang, pytorch#149138)."""
-        return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=shape,
+        return viewing(local, self._stand_in(local, shape)._spec)
+
+    def parameter(self, local: torch.Tensor, shape: torch.Size, requires_grad: bool) -> nn.Parameter:
+        """A DTensor ``nn.Parameter`` of global ``shape`` whose local tensor is ``local``."""
+        param = nn.Parameter(self._stand_in(local, shape), requires_grad=requires_grad)
+        cast(DTensor, param)._local_tensor = local
+        return param
+
+    def _stand_in(self, local: torch.Tensor, shape: torch.Size) -> DTensor:
+        return DTensor.from_local(local.new_empty(0), self.mesh, self.placements, run_check=False, shape=shape,
                                   stride=contiguous_stride(shape))
+
+
+def viewing(local: torch.Tensor, spec: "DTensorSpec") -> DTensor:
+    """A DTensor of ``spec`` whose local tensor is ``local``, built on an empty stand-in: a DTensor's
+    wrapper takes the storage offset of the tensor it is built on, and ``torch.save`` (and
+    ``deepcopy``) cannot handle a wrapper with a nonzero offset, which a view of the shard past its
+    first element would give it."""
+    dtensor = DTensor(local.new_empty(0), spec, requires_grad=False)
+    dtensor._local_tensor = local
+    return dtensor
 
 
 class DTensorParamViews(OrigParamViews):
@@ -68,9 +90,7 @@ class DTensorParamViews(OrigParamViews):
         for index, (slot, view) in enumerate(zip(self.slots, layout.local_views(shard))):
             self.replaced[id(slot.live_param)] = (weakref.ref(slot.live_param), slot.module, slot.attr)
             setattr(slot.live_param, FLATTENED, True)
-            param = nn.Parameter(self.sharding.dtensor(view, slot.live_param.shape),
-                                 requires_grad=slot.live_param.requires_grad)
-            self._replace_param(index, param)
+            self._replace_param(index, self.sharding.parameter(view, slot.live_param.shape, slot.live_param.requires_grad))
         self._resting_views = [_local_of(param) for param in self.orig_params()]
         self._manage()
         self._show_originals()
@@ -80,6 +100,12 @@ class DTensorParamViews(OrigParamViews):
         and on its device."""
         for slot, view in zip(self.slots, layout.local_views(shard)):
             param = slot.live_param
+            if param.is_meta and not view.is_meta:  # to_empty(): swapped, as nn.Module swaps DTensors
+                fqn = self._managed_params.pop(id(param))[1]  # swap_tensors refuses weakly held tensors
+                torch.utils.swap_tensors(param, self.sharding.parameter(view, param.shape, param.requires_grad))
+                self._managed_params[id(param)] = (weakref.ref(param), fqn)
+                setattr(param, FLATTENED, True)
+                continue
             moved = self.sharding.dtensor(view, param.shape)
             if (param.dtype, param.device) != (view.dtype, view.device):
                 param.data = moved  # the wrapper's own dtype and device
@@ -93,7 +119,8 @@ class DTensorParamViews(OrigParamViews):
 
     def install(self, tensors: Sequence[torch.Tensor], as_parameters: bool, through_setattr: bool = False) -> None:
         super().install(tensors, as_parameters, through_setattr)
-        self._installed = list(tensors)
+        # what the modules hold now (a frozen parameter's view was detached on the way in)
+        self._installed = [cast(torch.Tensor, slot.module._parameters[slot.attr]) for slot in self.slots]
 
     def _show_originals(self) -> None:
         super()._show_originals()
@@ -235,7 +262,7 @@ class PostForwardRows:
             start, end = self.layout.held_rows(index)
             self.layout.local_view(kept, index).copy_(param[start:end])
         self._kept = kept
-        return [nn.Parameter(self.sharding.dtensor(local, shape), requires_grad=False)
+        return [self.sharding.parameter(local, shape, requires_grad=False)
                 for local, shape in zip(self.layout.local_views(kept), self.layout.shapes)]
 
     def gather_into(self, unsharded: torch.Tensor, path: str) -> None:
@@ -263,7 +290,7 @@ def _grad_of(param: nn.Parameter, local: torch.Tensor) -> DTensor:
     """A gradient for ``param`` with ``local`` as its local tensor: the parameter's placement, shape
     and dtype, built directly (``from_local`` costs an autograd function and a new spec per call,
     which was a third of the step's Python time)."""
-    return DTensor(local, cast(DTensor, param)._spec, requires_grad=False)
+    return viewing(local, cast(DTensor, param)._spec)
 
 
 def _point(param: nn.Parameter, like: DTensor) -> None:

@@ -116,6 +116,10 @@ class FlatGrad:
         self._this_backward: Optional[torch.Tensor] = None  # this backward's reduced gradient
         self._span_grad: Optional[torch.Tensor] = None  # the optimizer's gradient when the span is partial
 
+    def rebind(self, flat_param: torch.nn.Parameter) -> None:
+        """The handle's flat parameter is a new object (converted off the meta device)."""
+        self._flat_param = flat_param
+
     def set_divide_factor(self, factor: float) -> None:
         """Divide the summed gradient by ``factor``, once after the reduction, instead of averaging."""
         self._pre_divide, self._post_divide = 1.0, factor

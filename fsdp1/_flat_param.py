@@ -32,7 +32,7 @@ from ._layout import FlatShardLayout, ParamLayout, RowShardLayout, alloc_storage
 from ._mixed_precision import HandlePrecision
 from ._shard_conversions import ShardConversions
 from ._traversal import ParamSlot
-from ._views import FLATTENED, make_views
+from ._views import FLAT_PARAM, FLATTENED, make_views
 
 
 class _FlatParameterMeta(type(nn.Parameter)):  # type: ignore[misc]  # a metaclass derived from a dynamic type
@@ -475,6 +475,27 @@ class FlatParamHandle:
             flat, shard = self.flat_param, self._local_shard
             if flat.data_ptr() != shard.data_ptr() or flat.dtype != shard.dtype or flat.shape != shard.shape:
                 self.adopt_converted_flat_param()
+
+    @contextlib.contextmanager
+    def converting(self) -> Iterator[None]:
+        """Within, ``nn.Module._apply`` (``.to()``, ``.double()``, ``to_empty()``) on the owner converts
+        the flat parameter, registered in place of the originals; on exit everything derived from it
+        follows. A conversion ``_apply`` cannot do in place (off the meta device) registers a new
+        Parameter, which becomes the flat parameter."""
+        with self.flat_param_registered():
+            yield
+            converted = self._owner._parameters.get(FLAT_PARAM)
+        if converted is not None and converted is not self.flat_param:
+            self._take_flat_param(converted)
+        self.adopt_converted_flat_param()
+
+    def _take_flat_param(self, param: nn.Parameter) -> None:
+        """``param`` (the converted flat parameter, a new object) becomes the flat parameter."""
+        param._is_flat_param = True  # type: ignore[attr-defined]  # see FlatParameter
+        setattr(param, FLATTENED, True)
+        self.flat_param = param
+        self._set_flat_param_metadata()
+        self.grad.rebind(param)
 
     def adopt_converted_flat_param(self) -> None:
         """After a dtype or device conversion of the (sharded) flat parameter: the local shard, the

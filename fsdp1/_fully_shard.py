@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from . import _collectives as comm
 from ._common import TrainingState
-from ._dtensor_views import DTensorParamViews, PostForwardRows, RowSharding
+from ._dtensor_views import DTensorParamViews, PostForwardRows, RowSharding, viewing
 from ._flat_param import FlatParamHandle
 from ._layout import RowShardLayout
 from ._mixed_precision import HandlePrecision
@@ -298,7 +298,6 @@ def fully_shard(
     state = UnitState(modules[0], modules[0], handle, shard_group, strategy, mixed_precision, BackwardPrefetch.BACKWARD_PRE,
                       False, compute_device, (), also_hooked=modules[1:])
     state.schedule.reshard_after_forward = after_forward
-    state.schedule.reshard_after_no_grad_forward = False
     state.output_dtype = policy.output_dtype
     for each in modules:
         for path, inner in iter_outermost_units(each):
@@ -441,7 +440,8 @@ def _sharded_elsewhere(module: nn.Module) -> Callable[[nn.Parameter], Optional[s
 
 
 def _register_state_dict_hooks(module: nn.Module, handle: FlatParamHandle) -> None:
-    """``state_dict()`` reads the sharded DTensors (a module kept gathered reshards first, as torch's);
+    """``state_dict()`` reads the sharded DTensors (a module kept gathered reshards first, as torch's;
+    each wrapper is rebuilt so that ``torch.save`` takes it);
     ``load_state_dict()`` copies DTensors into them in place, also takes plain full tensors (each
     rank keeps its rows; torch's refuses them, pytorch#136336), and adopts what ``assign=True``
     registered."""
@@ -465,10 +465,17 @@ def _register_state_dict_hooks(module: nn.Module, handle: FlatParamHandle) -> No
                 start, end = layout.held_rows(index)
                 state_dict[key] = views.sharding.dtensor(value[start:end], layout.shapes[index])
 
+    def after_save(module: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        for fqn, _ in own:  # ``state_dict()`` detached them, which gives each wrapper its view's offset
+            value = state_dict.get(prefix + fqn)
+            if isinstance(value, DTensor) and value.storage_offset() != 0:
+                state_dict[prefix + fqn] = viewing(value._local_tensor, value._spec)
+
     def after_load(module: nn.Module, incompatible_keys: Any) -> None:
         handle.write_back_orig_params()
 
     module.register_state_dict_pre_hook(before_save)
+    module.register_state_dict_post_hook(after_save)
     module.register_load_state_dict_pre_hook(before_load)
     module.register_load_state_dict_post_hook(after_load)
 

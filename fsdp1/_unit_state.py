@@ -35,10 +35,10 @@ class UnitSchedule:
     the prefetch arguments; ``fully_shard`` and ``FSDPModule``'s setters set it per module."""
 
     reshard_after_forward: Optional[bool]
-    """None: every unit but the root (FSDP1's FULL_SHARD, FSDP2's default)."""
-    reshard_after_no_grad_forward: bool = True
-    """FSDP1 reshards every unit after a forward without grad (no backward will come); FSDP2 keeps
-    ``reshard_after_forward`` then too, so the root stays gathered after an evaluation forward."""
+    """None: every unit but the root (FSDP1's FULL_SHARD, FSDP2's default). After a forward without
+    grad every unit reshards whatever this says: no backward will come, and a unit kept gathered
+    would show its unsharded parameters to an optimizer or ``clip_grad_norm_`` built on
+    ``parameters()`` then (torch's FSDP2 keeps the root gathered, and trains it silently wrong so)."""
     reshard_after_backward: Optional[bool] = None
     """None: unless ``no_sync`` keeps a SHARD_GRAD_OP unit gathered for the next micro-batch."""
     forward_prefetch: Optional[List["UnitState"]] = None
@@ -162,10 +162,13 @@ class UnitState:
         if handle is None:
             apply()
             return
-        with handle.flat_param_registered():
+        flat_param = handle.flat_param
+        with handle.converting():
             apply()
-        handle.adopt_converted_flat_param()
         self.compute_device = handle.compute_device  # with offloading the shard stays on the CPU
+        if handle.flat_param is not flat_param:  # a new object: its gradient needs the hook
+            self._has_post_backward_hook = False
+            self.register_post_backward_hook()
 
     # ----------------------------------------------------------------------------- hook registration
     def register_post_backward_hook(self) -> None:
@@ -321,7 +324,7 @@ class UnitState:
 
     def _reshards_after_forward(self) -> bool:
         schedule = self.schedule
-        if not torch.is_grad_enabled() and schedule.reshard_after_no_grad_forward:
+        if not torch.is_grad_enabled():
             return True
         if schedule.reshard_after_forward is None:
             return not self.is_root

@@ -159,9 +159,14 @@ def _registered(reshard_after_forward):
 
 
 @pytest.mark.parametrize("reshard_after_forward", [None, True, False])
-def test_what_is_registered_after_forward_backward_and_evaluation_is_torchs(reshard_after_forward):
+def test_what_is_registered_after_forward_and_backward_is_torchs_and_after_evaluation_the_dtensors(reshard_after_forward):
     for ours, theirs in run_on_ranks(2, _registered, reshard_after_forward):
-        assert ours == theirs
+        assert ours[:3] == theirs[:3]  # before forward, between forward and backward, after backward
+        # After a forward without grad every module holds its DTensors again (and after reshard()):
+        # torch's keeps the root (or any reshard_after_forward=False module) gathered, so an optimizer
+        # or clip_grad_norm_ built on parameters() then sees the unsharded copies and trains the root
+        # silently wrong.
+        assert ours[3:] == ["DD", "DD"]
 
 
 def _reshard_onto_two_ranks():
@@ -366,6 +371,93 @@ def test_forward_methods_conversions_and_deepcopy_behave_as_torchs():
         assert same_embedding
         assert dtypes == {torch.float64} and loss_dtype == torch.float64
         assert deepcopy_error == "FSDP does not support deepcopy"
+
+
+def _everyday_against_ddp(pattern):
+    """fully_shard and DDP (or torch's fully_shard) doing the same thing; what each trained."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    results = []
+    for wrap in ("fully_shard", "ddp" if pattern == "optimizer_after_eval" else "torch_fully_shard"):
+        torch.manual_seed(0)
+        if pattern == "meta_init":
+            with torch.device("meta"):
+                model = make_gpt()
+        else:
+            model = make_gpt()
+        if pattern == "frozen_root":  # frozen parts of the root, which stays gathered for backward
+            model.tok.requires_grad_(False)
+            model.head.bias.requires_grad_(False)
+        if wrap == "fully_shard":
+            model = _shard_gpt(model, fsdp1.fully_shard)
+        elif wrap == "torch_fully_shard":
+            model = _shard_gpt(model, _torch_fully_shard())
+        if pattern == "meta_init":
+            model.to_empty(device="cpu")
+            torch.manual_seed(1)
+            for module in model.modules():
+                if hasattr(module, "reset_parameters"):
+                    module.reset_parameters()
+            with torch.no_grad():
+                model.pos.normal_()
+        model = DDP(model) if wrap == "ddp" else model
+        if pattern == "optimizer_after_eval":  # an evaluation forward before the optimizer exists
+            with torch.no_grad():
+                model(batch(0, rank, world_size)[0])
+        optim = adam(model.parameters())
+        losses = []
+        for step in range(3):
+            loss = lm_loss(model, *batch(step, rank, world_size))
+            loss.backward()
+            if pattern == "optimizer_after_eval":  # a metric before clipping
+                with torch.no_grad():
+                    model(batch(step, rank, world_size)[0])
+                norm = nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+                losses.append(norm.full_tensor().item() if isinstance(norm, DTensor) else norm.item())
+            if pattern == "frozen_root" and step == 1:
+                model_ = model.module if wrap == "ddp" else model
+                model_.head.bias.requires_grad_(True)  # unfrozen between steps
+            optim.step()
+            optim.zero_grad()
+            losses.append(loss.item())
+        named = (model.module if wrap == "ddp" else model).named_parameters()
+        results.append((losses, {n: p.full_tensor() if isinstance(p, DTensor) else p.detach() for n, p in named}))
+    (ours, ours_params), (oracle, oracle_params) = results
+    return ours, oracle, max((ours_params[n] - oracle_params[n]).abs().max().item() for n in oracle_params)
+
+
+@pytest.mark.parametrize("pattern", ["frozen_root", "meta_init"])
+def test_frozen_root_parameters_and_meta_init_train_bitwise_like_torchs(pattern):
+    """The root stays gathered for backward, with frozen parts, one unfrozen between steps (DDP cannot
+    be the oracle: its reducer keeps the parameters that needed a gradient when it was built); and
+    torch's meta-device recipe, to_empty then reset_parameters on the DTensors (each rank draws its
+    own rows, so the values are torch's, not a plain model's)."""
+    for ours, theirs, error in run_on_ranks(2, _everyday_against_ddp, pattern):
+        assert ours == theirs and error == 0.0
+
+
+def test_an_optimizer_built_and_a_norm_clipped_after_evaluation_forwards_train_like_ddp():
+    """Both silently wrong under torch's fully_shard, which leaves the root's unsharded parameters
+    registered after an evaluation forward, for the optimizer and clip_grad_norm_ to pick up."""
+    for ours, ddp, error in run_on_ranks(2, _everyday_against_ddp, "optimizer_after_eval"):
+        assert max(abs(a - b) for a, b in zip(ours, ddp)) < 1e-5 and error < 1e-5
+
+
+def _saved_and_copied():
+    import io
+
+    model = _shard_gpt(make_gpt(), fsdp1.fully_shard)
+    state = model.state_dict()
+    buffer = io.BytesIO()
+    torch.save(state, buffer)  # DTensors viewing one shard; torch's own cannot save them
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    copied = copy.deepcopy(state)
+    return all(torch.equal(loaded[k].to_local(), v.to_local()) and torch.equal(copied[k].to_local(), v.to_local())
+               for k, v in state.items())
+
+
+def test_a_state_dict_saves_with_torch_save_and_deep_copies():
+    assert all(run_on_ranks(2, _saved_and_copied))
 
 
 # ---------------------------------------------------------------------------------------------- Hugging Face
