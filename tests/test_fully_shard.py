@@ -526,6 +526,11 @@ def _errors():
     from torch.distributed.tensor import Shard
 
     refused("shard_dim_1", lambda: fsdp1.fully_shard(nn.Linear(2, 2), shard_placement_fn=lambda p: Shard(1)), NotImplementedError)
+    from torch.distributed.tensor import Replicate, distribute_tensor, init_device_mesh
+
+    parallel = nn.Linear(2, 2)  # a tensor-parallel parameter: already a DTensor
+    parallel.weight = nn.Parameter(distribute_tensor(parallel.weight.detach(), init_device_mesh("cpu", (2,)), [Replicate()]))
+    refused("dtensor_param", lambda: fsdp1.fully_shard(parallel), NotImplementedError)
     tied = nn.Sequential(nn.Embedding(5, 4), nn.Linear(4, 5, bias=False))
     tied[1].weight = tied[0].weight
     fsdp1.fully_shard(tied[0])
@@ -542,4 +547,5 @@ def test_bad_input_is_refused_naming_the_module_or_parameter_and_the_fix():
     assert "contains the FullyShardedDataParallel unit '0'" in messages["fsdp1_inside"]
     assert "contains the fully_shard module '0'" in messages["fully_shard_inside"]
     assert "only Shard(0) (or None) is supported yet" in messages["shard_dim_1"]
+    assert "parameter 'weight' is already a DTensor (tensor parallelism)" in messages["dtensor_param"]
     assert "parameter '1.weight' is shared with the parameter '0.weight'" in messages["tied_across_groups"]

@@ -83,12 +83,22 @@ def _assert_broken(report, *fragments):
         assert fragment in report["message"], (fragment, report["message"])
 
 
-def test_an_exception_swallowed_on_one_rank_breaks_the_group_on_every_rank_instead_of_training_on(tmp_path):
+FULLY_SHARD_MODEL = MODEL.replace("model = FSDP(Three(), auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({Layer}))", '''
+model = Three()
+for layer in (model.a, model.b, model.c):
+    fsdp1.fully_shard(layer)
+fsdp1.fully_shard(model)''')
+
+
+@pytest.mark.parametrize("api", ["FullyShardedDataParallel", "fully_shard"])
+def test_an_exception_swallowed_on_one_rank_breaks_the_group_on_every_rank_instead_of_training_on(api, tmp_path):
     """H3 ⚠: rank 1's b raises at step 2 and its loop swallows every error (torch's FSDP1 then pairs
     rank 1's next all-gathers with rank 0's, trains on silently and exits 0). Rank 0's all-gather for
     c fails at the timeout; rank 1's next forward first checks that the ranks are in step and fails
-    at the timeout too; every later call raises at once, and the job fails."""
-    job = run_job(tmp_path, MODEL + '''
+    at the timeout too; every later call raises at once, and the job fails (a FullyShardedDataParallel
+    state dict is collective and raises too; a fully_shard one is local, so a sixth step does)."""
+    model, poisoned = (MODEL, "model.state_dict()") if api == "FullyShardedDataParallel" else (FULLY_SHARD_MODEL, "step(5)")
+    job = run_job(tmp_path, model + f'''
 MISBEHAVE = ("b", 1, 2, deliberate)
 errors = []
 for n in range(5):
@@ -98,7 +108,7 @@ for n in range(5):
     except Exception as error:  # the swallowing loop
         errors.append(described(error))
 report(errors=errors)
-model.state_dict()  # poisoned: raises, so the job cannot exit 0
+{poisoned}  # poisoned: raises, so the job cannot exit 0
 ''', torchrun=False)
     assert not failed(job), failed(job)
     assert all(code != 0 for code in job.returncodes)
