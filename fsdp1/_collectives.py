@@ -74,7 +74,7 @@ def all_gather_into(output: torch.Tensor, local_shard: torch.Tensor, group: Proc
                     about: Optional[str] = None) -> "GuardedWork | PairwiseExchange":
     """Gather equal shards into one flat ``output`` (rank r's shard lands at ``r * shard.numel()``).
     ``about``: the path of the unit it is for, which a failure names."""
-    if _is_gloo_pair(group):
+    if is_gloo_pair(group):
         own, peer = _own_and_peer_chunks(output, local_shard.numel(), group)
         own.copy_(local_shard)
         return PairwiseExchange(peer, local_shard, group, "all-gather", about)
@@ -85,14 +85,22 @@ def all_gather_into(output: torch.Tensor, local_shard: torch.Tensor, group: Proc
 def reduce_scatter_into(output: torch.Tensor, unsharded: torch.Tensor, group: ProcessGroup,
                         about: Optional[str] = None) -> "GuardedWork | PairwiseExchange":
     """Sum ``unsharded`` over the ranks and keep this rank's chunk in ``output`` (once waited for)."""
-    if _is_gloo_pair(group):
+    if is_gloo_pair(group):
         own, peer = _own_and_peer_chunks(unsharded, output.numel(), group)
         return PairwiseExchange(output, peer, group, "reduce-scatter", about, add_on_wait=own)
     return _issue_async(group, "reduce-scatter", unsharded, about,
                         lambda: _reduce_scatter_single(output, unsharded, group=group, async_op=True))
 
 
-def _is_gloo_pair(group: ProcessGroup) -> bool:
+def receive_peer_shard(received: torch.Tensor, shard: torch.Tensor, group: ProcessGroup,
+                       about: Optional[str] = None) -> "PairwiseExchange":
+    """Between two gloo ranks (``is_gloo_pair``): send ``shard`` to the peer and receive the peer's
+    into ``received``, once waited for: an all-gather whose caller places the two shards itself."""
+    return PairwiseExchange(received, shard, group, "all-gather", about)
+
+
+def is_gloo_pair(group: ProcessGroup) -> bool:
+    """Two gloo ranks, where an exchange of chunks beats gloo's own collectives (``PairwiseExchange``)."""
     return group_size(group) == 2 and _is_gloo(group)
 
 

@@ -112,6 +112,16 @@ class DTensorParamViews(OrigParamViews):
             _point(param, moved)
         self._resting_views = [_local_of(param) for param in self.orig_params()]
 
+    def registered(self) -> List[Optional[nn.Parameter]]:
+        """What each parameter's first registration holds now."""
+        return [slot.module._parameters.get(slot.attr) for slot in self.slots]
+
+    def register(self, params: Sequence[Optional[nn.Parameter]]) -> None:
+        """Put back what ``registered`` returned (None: left as it is)."""
+        for slot, param in zip(self.slots, params):
+            if param is not None:
+                slot.module._parameters[slot.attr] = param
+
     def replaced_registration(self, param: nn.Parameter) -> Optional[Tuple[nn.Module, str]]:
         """Where ``param`` was registered if it is an original Parameter these DTensors replaced."""
         ref, module, attr = self.replaced.get(id(param), (None, None, ""))

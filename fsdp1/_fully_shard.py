@@ -27,6 +27,7 @@ from ._mixed_precision import HandlePrecision
 from ._traversal import FSDP_STATE, ParamSlot, is_fsdp_unit, iter_outermost_units, iter_param_slots
 from ._unit_state import UnitState, state_of
 from ._unshard import summon_full_params
+from ._views import FLAT_PARAM
 from .api import BackwardPrefetch, CPUOffloadPolicy, MixedPrecision, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy
 
 
@@ -472,12 +473,28 @@ def _register_state_dict_hooks(module: nn.Module, handle: FlatParamHandle) -> No
                 state_dict[prefix + fqn] = viewing(value._local_tensor, value._spec)
 
     def after_load(module: nn.Module, incompatible_keys: Any) -> None:
-        handle.write_back_orig_params()
+        """``load_state_dict(assign=True)`` registered new DTensors, which the next use adopts (their
+        values copied into the shard, which they then view; after a client re-ties weights). A shard
+        still on the meta device (sharded before the model had storage, as Accelerate's low-memory
+        loading does) first gets storage where they live."""
+        assigned = views.registered()
+        device = next((p.device for p in assigned if p is not None and isinstance(p, DTensor) and not p.is_meta), None)
+        if device is not None and handle.local_shard.is_meta:
+            state.convert(lambda: _flat_param_on(state.owner, device))
+            views.register(assigned)
 
     module.register_state_dict_pre_hook(before_save)
     module.register_state_dict_post_hook(after_save)
     module.register_load_state_dict_pre_hook(before_load)
     module.register_load_state_dict_post_hook(after_load)
+
+
+def _flat_param_on(owner: nn.Module, device: torch.device) -> None:
+    """Inside ``UnitState.convert``: the flat parameter ``owner`` holds, off the meta device, on ``device``."""
+    registered = owner._parameters[FLAT_PARAM]
+    assert registered is not None, "converting registers the flat parameter"
+    owner._parameters[FLAT_PARAM] = nn.Parameter(torch.empty_like(registered, device=device),
+                                                 requires_grad=registered.requires_grad)
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

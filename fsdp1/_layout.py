@@ -19,7 +19,7 @@ rank-major, and ``all_gather`` / ``reduce_input`` permute between that order and
 """
 
 from abc import ABC, abstractmethod
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -226,15 +226,20 @@ class RowShardLayout(ParamLayout):
         if self.world_size == 1:  # one rank: its shard is the buffer
             alloc_storage(unsharded)
             return comm.all_gather_into(unsharded, shard, group, path)
-        gathered = unsharded.new_empty(self.unsharded_numel)
-        return _CopiedOut(comm.all_gather_into(gathered, shard, group, path), gathered, self, unsharded)
+        if comm.is_gloo_pair(group):  # only the peer's shard travels; each is copied out once
+            peer = shard.new_empty(self.shard_numel)
+            return _CopiedOut(comm.receive_peer_shard(peer, shard, group, path), self, unsharded, {self.rank: shard, 1 - self.rank: peer})
+        gathered = unsharded.new_empty(self.unsharded_numel).view(self.world_size, self.shard_numel)
+        return _CopiedOut(comm.all_gather_into(gathered.view(-1), shard, group, path), self, unsharded,
+                          dict(enumerate(gathered.unbind())))
 
-    def copy_out(self, gathered: torch.Tensor, unsharded: torch.Tensor) -> None:
-        """Rank-major ``gathered`` into the parameter-major ``unsharded``, allocated only now: a
-        prefetched gather holds one unsharded buffer until it is waited for, not two."""
+    def copy_out(self, shards: Dict[int, torch.Tensor], unsharded: torch.Tensor) -> None:
+        """Each rank's shard into its rows of the parameter-major ``unsharded``, allocated only now: a
+        prefetched gather holds one unsharded buffer's worth until it is waited for, not two."""
         alloc_storage(unsharded)
-        torch.split_with_sizes_copy(gathered.view(self.world_size, self.shard_numel), list(self.chunk_numels), dim=1,
-                                    out=self._rank_major(unsharded))
+        rank_major = self._rank_major(unsharded)
+        for rank, shard in shards.items():
+            torch.split_with_sizes_copy(shard, list(self.chunk_numels), out=[chunks[rank] for chunks in rank_major])
 
     def reduce_input(self, unsharded_grad: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
@@ -253,18 +258,19 @@ class RowShardLayout(ParamLayout):
 
 
 class _CopiedOut:
-    """An all-gather into a rank-major buffer, copied out into the parameter-major one on ``wait()``."""
+    """An all-gather of the ranks' shards (by rank), copied out into the parameter-major buffer on
+    ``wait()``."""
 
-    def __init__(self, work: comm.Waitable, gathered: torch.Tensor, layout: RowShardLayout, unsharded: torch.Tensor) -> None:
+    def __init__(self, work: comm.Waitable, layout: RowShardLayout, unsharded: torch.Tensor, shards: Dict[int, torch.Tensor]) -> None:
         self._work: Optional[comm.Waitable] = work
-        self._gathered, self._layout, self._unsharded = gathered, layout, unsharded
+        self._layout, self._unsharded, self._shards = layout, unsharded, shards
 
     def wait(self) -> bool:
         if self._work is not None:
             work, self._work = self._work, None
             work.wait()
-            self._layout.copy_out(self._gathered, self._unsharded)
-            del self._gathered
+            self._layout.copy_out(self._shards, self._unsharded)
+            self._shards = {}
         return True
 
 

@@ -154,7 +154,7 @@ class UnitState:
             return self.handle.forces_full_precision
         return any(u.handle.forces_full_precision for u in self.root_state.units if u.handle is not None)
 
-    def convert(self, apply: Callable[[], nn.Module]) -> None:
+    def convert(self, apply: Callable[[], object]) -> None:
         """Run ``nn.Module._apply`` (``apply``: ``.to()``, ``.double()``, ...) on the unit's module with
         the flat parameter registered in place of the originals, so that it converts the one tensor
         that owns the storage; the handle then rebuilds every buffer and view from it."""

@@ -370,8 +370,10 @@ class FullyShardedDataParallel(nn.Module, OptimStateDictAPI):
 
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> List["FullyShardedDataParallel"]:
-        """Every FSDP unit in ``module``'s tree, ``module`` included; only the outermost with ``root_only``."""
-        return fsdp_units(module, root_only)  # type: ignore[return-value]
+        """Every FSDP unit in ``module``'s tree, ``module`` included; only the outermost with ``root_only``.
+        Only ``FullyShardedDataParallel`` units, as torch's: torch's DCP helpers take a model with
+        none for a ``fully_shard`` model (they find its DTensors themselves)."""
+        return [unit for unit in fsdp_units(module, root_only) if isinstance(unit, FullyShardedDataParallel)]
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: Union[float, int], norm_type: Union[float, int] = 2.0,
