@@ -442,6 +442,30 @@ def test_an_optimizer_built_and_a_norm_clipped_after_evaluation_forwards_train_l
         assert max(abs(a - b) for a, b in zip(ours, ddp)) < 1e-5 and error < 1e-5
 
 
+def _checkpointed_and_compiled(mode):
+    """Activation checkpointing of every block (torch's wrapper, applied after fully_shard) or
+    torch.compile of the whole model: against torch's fully_shard doing the same."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    runs = []
+    for shard in (fsdp1.fully_shard, _torch_fully_shard()):
+        model = _shard_gpt(make_gpt(), shard)
+        if mode == "checkpointing":
+            apply_activation_checkpointing(model, check_fn=lambda module: isinstance(module, Block))
+        runs.append(train(torch.compile(model) if mode == "compile" else model, 3, world_size, rank))
+    return runs
+
+
+@pytest.mark.parametrize("mode", ["checkpointing", "compile"])
+def test_activation_checkpointing_and_torch_compile_train_like_torchs_fully_shard(mode):
+    for ours, theirs in run_on_ranks(2, _checkpointed_and_compiled, mode):
+        if mode == "checkpointing":
+            assert ours == theirs  # bitwise
+        else:  # compiled graphs may fuse differently between the two
+            assert max(abs(a - b) for a, b in zip(ours, theirs)) < 1e-5
+
+
 def _saved_and_copied():
     import io
 

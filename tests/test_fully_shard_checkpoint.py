@@ -304,6 +304,38 @@ def test_checkpoints_move_between_fsdp1_sharded_state_dict_and_fully_shard_bit_f
         assert_bitwise(values, expected_values)
 
 
+def _save_on_two(path: str):
+    model = _sharded("fsdp1")
+    optim = _adamw(model.parameters())
+    train_steps(model, optim, 0, STEPS)
+    dcp.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, optim)}, checkpoint_id=path)
+    optim_state = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
+    return _full_values(model), {k: v["exp_avg_sq"].clone() for k, v in optim_state["state"].items()}
+
+
+def _load_on(path: str):
+    model = _sharded("fsdp1", seed=1)
+    optim = _adamw(model.parameters())
+    state = _copies({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, optim)})
+    dcp.load(state, checkpoint_id=path)
+    model.load_state_dict(state["model"])
+    set_optimizer_state_dict(model, optim, state["optim"])
+    optim_state = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
+    return _full_values(model), {k: v["exp_avg_sq"].clone() for k, v in optim_state["state"].items()}
+
+
+@pytest.mark.parametrize("world_size", [1, 4])
+def test_a_checkpoint_written_on_two_ranks_loads_on_another_world_size(world_size, tmp_path):
+    """Model and AdamW state of a fully_shard model written on 2 ranks, read on 1 and 4: every value,
+    unsharded, is the writer's bit for bit (DCP moves the rows)."""
+    path = str(tmp_path / "checkpoint")
+    values, moments = run_on_ranks(2, _save_on_two, path)[0]
+    for loaded, loaded_moments in run_on_ranks(world_size, _load_on, path):
+        assert_bitwise(loaded, values)
+        assert sorted(loaded_moments) == sorted(moments)
+        assert all(torch.equal(loaded_moments[k], moments[k]) for k in moments)
+
+
 # ------------------------------------------------------------------------------------ full state dicts
 FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
