@@ -28,7 +28,15 @@ from ._traversal import FSDP_STATE, ParamSlot, is_fsdp_unit, iter_outermost_unit
 from ._unit_state import UnitState, state_of
 from ._unshard import summon_full_params
 from ._views import FLAT_PARAM
-from .api import BackwardPrefetch, CPUOffloadPolicy, MixedPrecision, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy
+from .api import (
+    BackwardPrefetch,
+    CPUOffloadPolicy,
+    DataParallelMeshDims,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    ShardingStrategy,
+)
 
 
 class UnshardHandle:
@@ -245,7 +253,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: Optional[Set[nn.Parameter]] = None,
-    dp_mesh_dims: Optional[Any] = None,
+    dp_mesh_dims: Optional[DataParallelMeshDims] = None,
 ) -> Any:
     """Shard ``module``'s parameters (those not in a module sharded before) as one group over
     ``mesh``, in place, and return it: torch's ``fully_shard`` on fsdp1's engine.
@@ -495,6 +503,14 @@ def _flat_param_on(owner: nn.Module, device: torch.device) -> None:
     assert registered is not None, "converting registers the flat parameter"
     owner._parameters[FLAT_PARAM] = nn.Parameter(torch.empty_like(registered, device=device),
                                                  requires_grad=registered.requires_grad)
+
+
+def share_comm_ctx(modules: List[FSDPModule]) -> None:
+    """Accepted: torch's FSDP2 lets several roots (pipeline stages) share one set of CUDA streams;
+    fsdp1 issues every collective on the compute stream, so they share it already."""
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise ValueError(f"Expects list of FSDPModules but got {module}")  # torch's
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

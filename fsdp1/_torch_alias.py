@@ -23,8 +23,8 @@ from typing import Any, Callable, List, Optional, Tuple
 
 from torch import nn
 
-from ._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
-from .api import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx
+from .api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from .fully_sharded_data_parallel import FullyShardedDataParallel
 from .sharded_grad_scaler import ShardedGradScaler
 
@@ -40,7 +40,8 @@ TORCH_FSDP2_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable.
 FSDP2_NAMES = {
     "fully_shard": fully_shard, "FSDPModule": FSDPModule, "UnshardHandle": UnshardHandle,
     "register_fsdp_forward_method": register_fsdp_forward_method, "MixedPrecisionPolicy": MixedPrecisionPolicy,
-    "OffloadPolicy": OffloadPolicy, "CPUOffloadPolicy": CPUOffloadPolicy,
+    "OffloadPolicy": OffloadPolicy, "CPUOffloadPolicy": CPUOffloadPolicy, "share_comm_ctx": share_comm_ctx,
+    "DataParallelMeshDims": DataParallelMeshDims,
 }
 """fsdp1's FSDP2 names, each put where torch's of that name is (where the module has it)."""
 

@@ -10,7 +10,7 @@ Accelerate), running unchanged.
 import dataclasses
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import Optional, Sequence, Type, TypeVar
+from typing import Optional, Sequence, Tuple, Type, TypeVar, Union
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -33,6 +33,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
 ]
 
 
@@ -104,6 +105,19 @@ class CPUOffloadPolicy(OffloadPolicy):
     where a GPU exists (on a CPU-only host there is nothing to move, and it is accepted)."""
 
     pin_memory: bool = True
+
+
+@dataclass
+class DataParallelMeshDims:
+    """Names the data-parallel dimensions of a mesh whose parameters are already DTensors
+    (``fully_shard(dp_mesh_dims=...)``, not supported yet): at least one is required."""
+
+    shard: Optional[Union[str, Tuple[str, ...]]] = None
+    replicate: Optional[Union[str, Tuple[str, ...]]] = None
+
+    def __post_init__(self) -> None:
+        if self.shard is None and self.replicate is None:
+            raise ValueError("At least one of shard or replicate must be set in DataParallelMeshDims")  # torch's
 
 
 class StateDictType(Enum):

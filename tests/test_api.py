@@ -1,4 +1,4 @@
-"""Tests the drop-in surface: fsdp1 offers torch FSDP1's public names, constructor signature and
+"""Tests the drop-in surface: fsdp1 offers torch's public FSDP names, FSDP1's constructor signature and
 config fields, accepts torch's own enum members, and never imports torch.distributed.fsdp."""
 
 import dataclasses
@@ -14,15 +14,9 @@ from torch.distributed.fsdp import wrap as torch_wrap
 import fsdp1
 from fsdp1.api import coerce_enum
 
-FSDP2_NAMES = {
-    "CPUOffloadPolicy", "DataParallelMeshDims", "FSDPModule", "fully_shard", "MixedPrecisionPolicy",
-    "OffloadPolicy", "register_fsdp_forward_method", "UnshardHandle", "share_comm_ctx",
-}
 
-
-def test_every_fsdp1_name_of_torch_is_exported():
-    expected = sorted(set(torch_fsdp.__all__) - FSDP2_NAMES)
-    assert sorted(fsdp1.__all__) == expected
+def test_every_name_of_torch_is_exported():
+    assert sorted(fsdp1.__all__) == sorted(torch_fsdp.__all__)  # FSDP1's and FSDP2's
     assert hasattr(fsdp1, "FlatParameter") and hasattr(fsdp1, "use_as_torch_fsdp")
 
 
