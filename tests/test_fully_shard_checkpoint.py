@@ -304,15 +304,6 @@ def test_checkpoints_move_between_fsdp1_sharded_state_dict_and_fully_shard_bit_f
         assert_bitwise(values, expected_values)
 
 
-def _save_on_two(path: str):
-    model = _sharded("fsdp1")
-    optim = _adamw(model.parameters())
-    train_steps(model, optim, 0, STEPS)
-    dcp.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, optim)}, checkpoint_id=path)
-    optim_state = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
-    return _full_values(model), {k: v["exp_avg_sq"].clone() for k, v in optim_state["state"].items()}
-
-
 def _load_on(path: str):
     model = _sharded("fsdp1", seed=1)
     optim = _adamw(model.parameters())
@@ -329,7 +320,8 @@ def test_a_checkpoint_written_on_two_ranks_loads_on_another_world_size(world_siz
     """Model and AdamW state of a fully_shard model written on 2 ranks, read on 1 and 4: every value,
     unsharded, is the writer's bit for bit (DCP moves the rows)."""
     path = str(tmp_path / "checkpoint")
-    values, moments = run_on_ranks(2, _save_on_two, path)[0]
+    values, full_optim = run_on_ranks(2, _dcp_save_for_the_tool, path)[0]
+    moments = {fqn: state["exp_avg_sq"] for fqn, state in full_optim.items()}
     for loaded, loaded_moments in run_on_ranks(world_size, _load_on, path):
         assert_bitwise(loaded, values)
         assert sorted(loaded_moments) == sorted(moments)
