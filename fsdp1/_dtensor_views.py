@@ -139,9 +139,7 @@ class DTensorParamViews(OrigParamViews):
     def show_resting(self, unsharded: torch.Tensor, layout: ParamLayout) -> None:
         """Gathered outside a computation (``unshard()``, ``set_reshard_after_backward(False)``): the
         unsharded parameters, as Parameters outside autograd, as torch's FSDP2 registers them."""
-        views = layout.unflatten(unsharded.detach())
-        self.install([nn.Parameter(view, requires_grad=requires_grad) for view, requires_grad in zip(views, self.requires_grad)],
-                     as_parameters=True)
+        self._install_full(layout.unflatten(unsharded.detach()))
 
     def show_kept_gathered(self) -> None:
         pass  # the forward's views stay registered, as torch's FSDP2 leaves the unsharded parameters
@@ -237,9 +235,13 @@ class DTensorParamViews(OrigParamViews):
 
     def expose_full(self, flat_param: nn.Parameter, views: List[torch.Tensor]) -> List[nn.Parameter]:
         """Plain full Parameters under the original names; the DTensor originals come back on exit."""
-        exposed = [nn.Parameter(view, requires_grad=requires_grad) for view, requires_grad in zip(views, self.requires_grad)]
-        self.install(exposed, as_parameters=True)
-        return exposed
+        return self._install_full(views)
+
+    def _install_full(self, views: Sequence[torch.Tensor]) -> List[nn.Parameter]:
+        """Full Parameters viewing ``views``, outside autograd, under the original names."""
+        full = [nn.Parameter(view, requires_grad=requires_grad) for view, requires_grad in zip(views, self.requires_grad)]
+        self.install(full, as_parameters=True)
+        return full
 
     def hide_full(self, flat_param: nn.Parameter, shard: torch.Tensor, layout: ParamLayout) -> None:
         self._show_originals()

@@ -28,7 +28,7 @@ from torch import nn
 from . import _collectives as comm
 from ._dtensor_views import DTensorParamViews, PostForwardRows, RowSharding
 from ._flat_grad import FlatGrad, to_host
-from ._layout import FlatShardLayout, ParamLayout, RowShardLayout, alloc_storage
+from ._layout import FlatShardLayout, ParamLayout, RowShardLayout, alloc_storage, free_storage
 from ._mixed_precision import HandlePrecision
 from ._shard_conversions import ShardConversions
 from ._traversal import ParamSlot
@@ -58,7 +58,11 @@ class FlatParameter(nn.Parameter, metaclass=_FlatParameterMeta):
     _shard_numel_padded: int
 
     def __new__(cls, data: torch.Tensor, requires_grad: bool = True) -> nn.Parameter:  # type: ignore[misc]  # returns the base type on purpose
-        param = nn.Parameter(data, requires_grad=requires_grad)
+        return FlatParameter.mark(nn.Parameter(data, requires_grad=requires_grad))
+
+    @staticmethod
+    def mark(param: nn.Parameter) -> nn.Parameter:
+        """``param`` becomes a FlatParameter (also one ``nn.Module._apply`` made in a conversion)."""
         param._is_flat_param = True  # type: ignore[attr-defined]  # the marker __instancecheck__ reads
         setattr(param, FLATTENED, True)  # torch's marker of a flattened parameter, which Lightning reads
         return param
@@ -197,7 +201,7 @@ class FlatParamHandle:
     def _unallocated_buffer(self, dtype: torch.dtype) -> torch.Tensor:
         """An unsharded flat buffer on the compute device whose storage each gather allocates."""
         buffer = torch.empty(self.layout.unsharded_numel, dtype=dtype, device=self.compute_device)
-        _free_storage(buffer)
+        free_storage(buffer)
         return buffer
 
     @property
@@ -366,7 +370,7 @@ class FlatParamHandle:
 
     def _free_unsharded(self) -> None:
         if self._unsharded_buffer is not self._local_shard:
-            _free_storage(self._unsharded_buffer)
+            free_storage(self._unsharded_buffer)
         self._unsharded_buffer = self._full_precision_buffer
         self.state = HandleState.SHARDED
         self.views.show_sharded(self._local_shard, self.layout)
@@ -454,18 +458,6 @@ class FlatParamHandle:
                     "back values of the same shape. Change values in place (e.g. param.copy_(...)) instead."
                 )
 
-    # ----------------------------------------------------------------------------- module conversions
-    @contextlib.contextmanager
-    def flat_param_registered(self) -> Iterator[None]:
-        """Within, the owner holds the FlatParameter in place of the originals (use_orig_params), so
-        that ``nn.Module._apply`` (``.to``, ``.double()``, ...) converts the one tensor that owns the
-        storage; ``adopt_converted_flat_param`` then rebuilds everything derived from it. The user's
-        ``zero_grad`` on the originals is carried into the flat gradient first, which is converted too."""
-        self.reshard()
-        self.grad.take_user_changes()
-        with self.views.flat_param_registered(self.flat_param, self._local_shard, self.layout):
-            yield
-
     def adopt_replaced_flat_param(self) -> None:
         """A client replaced ``flat_param.data`` between steps (HF Accelerate upcasts the flat
         parameters of a model loaded in bf16 to fp32 before building its optimizer, as torch's FSDP1
@@ -476,26 +468,25 @@ class FlatParamHandle:
             if flat.data_ptr() != shard.data_ptr() or flat.dtype != shard.dtype or flat.shape != shard.shape:
                 self.adopt_converted_flat_param()
 
+    # ----------------------------------------------------------------------------- module conversions
     @contextlib.contextmanager
     def converting(self) -> Iterator[None]:
-        """Within, ``nn.Module._apply`` (``.to()``, ``.double()``, ``to_empty()``) on the owner converts
-        the flat parameter, registered in place of the originals; on exit everything derived from it
-        follows. A conversion ``_apply`` cannot do in place (off the meta device) registers a new
-        Parameter, which becomes the flat parameter."""
-        with self.flat_param_registered():
+        """Within, the owner holds the FlatParameter in place of the originals (use_orig_params), so
+        that ``nn.Module._apply`` (``.to()``, ``.double()``, ``to_empty()``) converts the one tensor
+        that owns the storage; on exit everything derived from it follows. The user's ``zero_grad`` on
+        the originals is carried into the flat gradient first, which is converted too. A conversion
+        ``_apply`` cannot do in place (off the meta device) registers a new Parameter, which becomes
+        the flat parameter."""
+        self.reshard()
+        self.grad.take_user_changes()
+        with self.views.flat_param_registered(self.flat_param, self._local_shard, self.layout):
             yield
             converted = self._owner._parameters.get(FLAT_PARAM)
         if converted is not None and converted is not self.flat_param:
-            self._take_flat_param(converted)
+            self.flat_param = FlatParameter.mark(converted)
+            self._set_flat_param_metadata()
+            self.grad.rebind(converted)
         self.adopt_converted_flat_param()
-
-    def _take_flat_param(self, param: nn.Parameter) -> None:
-        """``param`` (the converted flat parameter, a new object) becomes the flat parameter."""
-        param._is_flat_param = True  # type: ignore[attr-defined]  # see FlatParameter
-        setattr(param, FLATTENED, True)
-        self.flat_param = param
-        self._set_flat_param_metadata()
-        self.grad.rebind(param)
 
     def adopt_converted_flat_param(self) -> None:
         """After a dtype or device conversion of the (sharded) flat parameter: the local shard, the
@@ -522,9 +513,3 @@ class FlatParamHandle:
         reductions dropped, the optimizer's gradient as it was before, the parameters sharded."""
         self.reshard()
         self.grad.abandon_backward()
-
-
-def _free_storage(tensor: torch.Tensor) -> None:
-    storage = tensor.untyped_storage()
-    if storage.size() != 0:
-        storage.resize_(0)

@@ -286,17 +286,16 @@ def fully_shard(
 
     handle = None
     if slots:
-        orig_dtype = slots[0].live_param.dtype
-        precision = HandlePrecision(orig_dtype, policy.param_dtype, policy.reduce_dtype)
+        precision = HandlePrecision(slots[0].live_param.dtype, policy.param_dtype, policy.reduce_dtype)
         handle = FlatParamHandle(slots, modules[0], shard_group, replicate_group, is_sharded=True, use_orig_params=True,
                                  precision=precision, offload_params=isinstance(offload, CPUOffloadPolicy),
                                  row_sharding=RowSharding(mesh, placements))
-    if handle is not None and precision.reduce_dtype != torch.float16:
-        # torch's FSDP2 averages with ReduceOp.AVG (sum, then divide) outside fp16: one division of
-        # the reduced shard instead of one of the whole gradient before the reduction
-        handle.grad.set_divide_factor(comm.group_size(shard_group) * (comm.group_size(replicate_group) if replicate_group else 1))
-    if handle is not None and rows_group_size:
-        _keep_rows_after_forward(handle, mesh, rows_group_size)
+        if precision.reduce_dtype != torch.float16:
+            # torch's FSDP2 averages with ReduceOp.AVG (sum, then divide) outside fp16: one division of
+            # the reduced shard instead of one of the whole gradient before the reduction
+            handle.grad.set_divide_factor(comm.group_size(shard_group) * (comm.group_size(replicate_group) if replicate_group else 1))
+        if rows_group_size:
+            _keep_rows_after_forward(handle, mesh, rows_group_size)
     compute_device = handle.compute_device if handle is not None else torch.device(mesh.device_type)
     mixed_precision = None
     if policy.param_dtype is not None or policy.reduce_dtype is not None:

@@ -194,20 +194,20 @@ class RowShardLayout(ParamLayout):
         self.shapes = tuple(shapes)
         self.rank, self.world_size, self.is_sharded = rank, world_size, True
         self.chunk_numels: Tuple[int, ...] = ()  # each parameter's padded chunk: a rank's part of the shard
-        infos, shard_offset = [], 0
+        infos, offsets, shard_offset = [], [], 0
         self._held: List[Tuple[int, int]] = []  # the rows [start, end) of each parameter this rank holds
         for shape in self.shapes:
             rows, row_numel = shape[0], shape.numel() // shape[0] if shape[0] else 0
             held = shard_span(rows, rank, world_size)
             infos.append(ParamShardInfo(shard_offset, held.numel * row_numel, held.start * row_numel))
+            offsets.append(world_size * shard_offset)  # every rank's chunks before it come first
             self._held.append((held.start, held.end))
             self.chunk_numels += ((held.numel + held.numel_padded) * row_numel,)
             shard_offset += self.chunk_numels[-1]
         self.shard_infos = tuple(infos)
         self.shard_numel = shard_offset
         self.unsharded_numel = shard_offset * world_size
-        offsets = tuple(world_size * sum(self.chunk_numels[:i]) for i in range(len(self.shapes)))
-        self.flat = FlatLayout(offsets, tuple(shape.numel() for shape in self.shapes), self.unsharded_numel)
+        self.flat = FlatLayout(tuple(offsets), tuple(shape.numel() for shape in self.shapes), self.unsharded_numel)
         self._plan_split()
 
     def new_unsharded(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -281,6 +281,13 @@ def alloc_storage(tensor: torch.Tensor) -> None:
     nbytes = tensor.numel() * tensor.element_size()
     if storage.size() != nbytes:
         storage.resize_(nbytes)
+
+
+def free_storage(tensor: torch.Tensor) -> None:
+    """Free ``tensor``'s storage in place; its views stay, to be refilled by ``alloc_storage``."""
+    storage = tensor.untyped_storage()
+    if storage.size() != 0:
+        storage.resize_(0)
 
 
 def piece_in_shard(info: ParamShardInfo, full_value: torch.Tensor) -> torch.Tensor:
