@@ -70,10 +70,21 @@ def is_process_group(group: Any) -> bool:
     return isinstance(group, ProcessGroup) or (callable(getattr(group, "rank", None)) and callable(getattr(group, "size", None)))
 
 
+class Finished:
+    """The work of a collective over one rank, which is a local copy or nothing: a job of one rank
+    issues no collective, as under torch's FSDP2."""
+
+    def wait(self) -> bool:
+        return True
+
+
 def all_gather_into(output: torch.Tensor, local_shard: torch.Tensor, group: ProcessGroup,
-                    about: Optional[str] = None) -> "GuardedWork | PairwiseExchange":
+                    about: Optional[str] = None) -> "GuardedWork | PairwiseExchange | Finished":
     """Gather equal shards into one flat ``output`` (rank r's shard lands at ``r * shard.numel()``).
     ``about``: the path of the unit it is for, which a failure names."""
+    if group_size(group) == 1:
+        output.copy_(local_shard)
+        return Finished()
     if is_gloo_pair(group):
         own, peer = _own_and_peer_chunks(output, local_shard.numel(), group)
         own.copy_(local_shard)
@@ -83,8 +94,11 @@ def all_gather_into(output: torch.Tensor, local_shard: torch.Tensor, group: Proc
 
 
 def reduce_scatter_into(output: torch.Tensor, unsharded: torch.Tensor, group: ProcessGroup,
-                        about: Optional[str] = None) -> "GuardedWork | PairwiseExchange":
+                        about: Optional[str] = None) -> "GuardedWork | PairwiseExchange | Finished":
     """Sum ``unsharded`` over the ranks and keep this rank's chunk in ``output`` (once waited for)."""
+    if group_size(group) == 1:
+        output.copy_(unsharded)
+        return Finished()
     if is_gloo_pair(group):
         own, peer = _own_and_peer_chunks(unsharded, output.numel(), group)
         return PairwiseExchange(output, peer, group, "reduce-scatter", about, add_on_wait=own)
@@ -102,6 +116,12 @@ def receive_peer_shard(received: torch.Tensor, shard: torch.Tensor, group: Proce
 def is_gloo_pair(group: ProcessGroup) -> bool:
     """Two gloo ranks, where an exchange of chunks beats gloo's own collectives (``PairwiseExchange``)."""
     return group_size(group) == 2 and _is_gloo(group)
+
+
+def communicates(group: Any) -> bool:
+    """A group whose collectives move data: not a fake one (the memory estimator's), nor a stand-in
+    that only answers ``rank()`` and ``size()`` (a planning or test object, never initialised)."""
+    return isinstance(group, ProcessGroup) and not is_fake(group)
 
 
 def is_fake(group: ProcessGroup) -> bool:
@@ -146,8 +166,10 @@ class PairwiseExchange:
         return True
 
 
-def all_reduce(tensor: torch.Tensor, group: ProcessGroup, about: Optional[str] = None) -> "GuardedWork":
+def all_reduce(tensor: torch.Tensor, group: ProcessGroup, about: Optional[str] = None) -> "GuardedWork | Finished":
     """Sum ``tensor`` over the ranks in place."""
+    if group_size(group) == 1:
+        return Finished()
     return _issue_async(group, "all-reduce", tensor, about, lambda: dist.all_reduce(tensor, group=group, async_op=True))
 
 

@@ -12,7 +12,7 @@ its unsharded parameters registered.
 
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple, cast
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Set, Tuple, cast
 
 import torch
 from torch import nn
@@ -81,10 +81,13 @@ class DTensorParamViews(OrigParamViews):
         self._grad: Optional["weakref.ref[torch.Tensor]"] = None
         self._grads_shown: List[Optional["weakref.ref[DTensor]"]] = []  # by parameter
         self._grad_layout: Optional[Tuple[ParamLayout, int]] = None  # where each part of it lies
+        self._has_grad = [False] * len(self.slots)  # a backward gave it one since the user last dropped it
+        self._hooks_due: Sequence[bool] = ()  # whose post-accumulate-grad hooks the next show_grads runs
         # Each original Parameter the DTensors replaced, by id, held weakly (its storage must go) with
         # where it was registered: a tied registration elsewhere still holds it.
         self.replaced: Dict[int, Tuple["weakref.ref[nn.Parameter]", nn.Module, str]] = {}
         self._installed: Optional[List[torch.Tensor]] = None  # what install() registered; None: the DTensors
+        self._awaiting_values: Set[int] = set()  # materialised off the meta device for others, never given values
 
     def install_initial(self, flat_param: nn.Parameter, shard: torch.Tensor, unsharded: torch.Tensor, layout: ParamLayout) -> None:
         for index, (slot, view) in enumerate(zip(self.slots, layout.local_views(shard))):
@@ -112,15 +115,24 @@ class DTensorParamViews(OrigParamViews):
             _point(param, moved)
         self._resting_views = [_local_of(param) for param in self.orig_params()]
 
-    def registered(self) -> List[Optional[nn.Parameter]]:
-        """What each parameter's first registration holds now."""
-        return [slot.module._parameters.get(slot.attr) for slot in self.slots]
-
     def register(self, params: Sequence[Optional[nn.Parameter]]) -> None:
-        """Put back what ``registered`` returned (None: left as it is)."""
-        for slot, param in zip(self.slots, params):
-            if param is not None:
-                slot.module._parameters[slot.attr] = param
+        """Put back what ``registered`` returned; the parameters nobody replaced then await values
+        (their shard was materialised for the others)."""
+        super().register(params)
+        self._awaiting_values = {index for index, (slot, param) in enumerate(zip(self.slots, params)) if param is slot.live_param}
+
+    def replacement_device(self) -> Optional[torch.device]:
+        for slot in self.slots:
+            current = slot.module._parameters.get(slot.attr)
+            if current is not None and current is not slot.live_param and not current.is_meta:
+                return current.device
+        return None
+
+    def still_on_meta(self) -> List[str]:
+        if not self._awaiting_values and not self._resting_views[0].is_meta:
+            return []
+        return [self.clean_fqn(slot) for index, (slot, view) in enumerate(zip(self.slots, self._resting_views))
+                if view.is_meta or index in self._awaiting_values]
 
     def replaced_registration(self, param: nn.Parameter) -> Optional[Tuple[nn.Module, str]]:
         """Where ``param`` was registered if it is an original Parameter these DTensors replaced."""
@@ -142,12 +154,19 @@ class DTensorParamViews(OrigParamViews):
         self._install_full(layout.unflatten(unsharded.detach()))
 
     def show_kept_gathered(self) -> None:
-        pass  # the forward's views stay registered, as torch's FSDP2 leaves the unsharded parameters
+        """After a forward the unit stays gathered for: the unsharded parameters as leaf Parameters
+        outside autograd (the forward's views saved what backward needs), as torch's FSDP2 registers
+        them, so that ``requires_grad_`` and optimizers see Parameters."""
+        assert self._installed is not None, "a forward installed its views"
+        self._install_full([view.detach() for view in self._installed])
 
     def take_user_changes(self, is_gathered_for_backward: bool, rank: int) -> bool:
         """A DTensor Parameter assigned in an original's place (``load_state_dict(assign=True)``,
-        ``module.weight = ...``) becomes the original: its values are copied into the shard, which
-        it then views. Anything but a DTensor of the same global shape is refused."""
+        ``module.weight = ...``, a loader filling a model sharded on the meta device) becomes the
+        original: its values (this rank's rows) are copied into the shard, which it then views. A
+        plain tensor of the full shape gives this rank's rows, and a DTensor Parameter takes its
+        place (a new object: build the optimizer after the first forward). Anything of another
+        shape is refused."""
         written = False
         for index, (slot, view) in enumerate(zip(self.slots, self._resting_views)):
             current = slot.module._parameters.get(slot.attr)
@@ -156,41 +175,66 @@ class DTensorParamViews(OrigParamViews):
             if current is slot.param and isinstance(current, DTensor) and _local_of(current) is view:
                 continue
             where = self.clean_fqn(slot)
-            if not isinstance(current, DTensor) or current.shape != slot.live_param.shape:
-                shape = tuple(current.shape)
+            if current.shape != slot.live_param.shape:
                 raise RuntimeError(
                     f"fsdp1: '{where}' of a fully_shard module was replaced by a {type(current).__name__} of shape "
-                    f"{shape}; it must stay a DTensor of shape {tuple(slot.live_param.shape)}. Assign values in place "
-                    "(param.copy_(...)), or load them with load_state_dict()."
+                    f"{tuple(current.shape)}; it must keep the shape {tuple(slot.live_param.shape)}. Assign values in "
+                    "place (param.copy_(...)), or load them with load_state_dict()."
                 )
+            local = current.to_local() if isinstance(current, DTensor) else self._held_rows(current, view, rank)
             with torch.no_grad():  # through ``.data``: the shard's version counter is the flat parameter's
-                view.data.copy_(current.to_local().reshape(view.shape))
+                view.data.copy_(local.reshape(view.shape))
+            if not isinstance(current, DTensor):
+                current = self.sharding.parameter(view, current.shape, current.requires_grad)
+                slot.module._parameters[slot.attr] = current
             if current is not slot.param:
                 self._adopt_param(index, current)
             _point(current, self.sharding.dtensor(view, current.shape))
             self._resting_views[index] = _local_of(current)
+            self._awaiting_values.discard(index)
             written = True
         return written
 
+    def _held_rows(self, full: torch.Tensor, view: torch.Tensor, rank: int) -> torch.Tensor:
+        """This rank's rows of ``full`` (``torch.chunk``'s over the shard dimension of the mesh)."""
+        rows = -(-full.shape[0] // self.sharding.mesh.size(-1))
+        start = min(rank * rows, full.shape[0])
+        return full.detach()[start : start + view.shape[0]]
+
     holds_grad = True
+    tracks_arrivals = True
+
+    def grads_arrived(self, arrived: Sequence[bool]) -> None:
+        self._has_grad = [had or now for had, now in zip(self._has_grad, arrived)]
+        self._hooks_due = arrived
 
     def held_grad(self) -> Optional[torch.Tensor]:
         return None if self._grad is None else self._grad()
 
     def show_grads(self, grad: Optional[torch.Tensor], layout: ParamLayout, start: int) -> None:
-        """DTensor gradients viewing ``grad`` (over the shard from element ``start``): every rank gets
-        one for every trainable parameter, an empty local one where it holds no rows, so that
-        collectives over the gradients (``clip_grad_norm_``) run alike on every rank."""
+        """DTensor gradients viewing ``grad`` (over the shard from element ``start``) for every
+        trainable parameter some backward gave a gradient, as torch's FSDP2 (None for the others: a
+        module of the group that never ran); every rank gets one, an empty local one where it holds
+        no rows, so that collectives over the gradients (``clip_grad_norm_``) run alike on every
+        rank. Then the post-accumulate-grad hooks of those the last backward reached run, with the
+        reduced gradient in place (optimizer-in-backward)."""
         assert grad is None or grad._base is None, "the DTensor gradients' views keep their base alive"
         self._grad = None if grad is None else weakref.ref(grad)
         self._grad_layout = (layout, start)
         self._grads_shown = []
+        if grad is None:
+            self._has_grad = [False] * len(self.slots)
         for index, (slot, requires_grad) in enumerate(zip(self.slots, self.requires_grad)):
             param, shown = slot.live_param, None
-            if grad is not None and requires_grad:
+            if grad is not None and requires_grad and self._has_grad[index]:
                 shown = _grad_of(param, self._local_grad(grad, index))
             self._grads_shown.append(None if shown is None else weakref.ref(shown))
             param.grad = shown
+        due, self._hooks_due = self._hooks_due, ()
+        for slot, is_due in zip(self.slots, due):
+            if is_due and slot.live_param.grad is not None:
+                for hook in (getattr(slot.live_param, "_post_accumulate_grad_hooks", None) or {}).values():
+                    hook(slot.live_param)
 
     def _local_grad(self, grad: torch.Tensor, index: int) -> torch.Tensor:
         assert self._grad_layout is not None, "set with the gradient"
@@ -199,7 +243,7 @@ class DTensorParamViews(OrigParamViews):
             return layout.local_view(grad, index, start)
         return grad.new_empty((0, *self.shapes[index][1:]))
 
-    def show_unreduced_grads(self, flat_grad: torch.Tensor, layout: ParamLayout) -> None:
+    def show_unreduced_grads(self, flat_grad: Optional[torch.Tensor], layout: ParamLayout) -> None:
         """An unsynchronised backward leaves no ``.grad`` on the sharded parameters, as torch's FSDP2:
         the unreduced sum stays with the unit until a backward synchronises it, and shows on the
         unsharded parameters if the unit stays gathered."""
@@ -207,7 +251,8 @@ class DTensorParamViews(OrigParamViews):
         for slot in self.slots:
             slot.live_param.grad = None
         if self._installed is not None:
-            for param, grad, requires_grad in zip(self._installed, layout.unflatten(flat_grad), self.requires_grad):
+            grads = layout.unflatten(flat_grad) if flat_grad is not None else [None] * len(self.slots)
+            for param, grad, requires_grad in zip(self._installed, grads, self.requires_grad):
                 param.grad = grad if requires_grad else None
 
     def every_grad_dropped(self) -> bool:
@@ -227,6 +272,7 @@ class DTensorParamViews(OrigParamViews):
                 grad = slot.live_param.grad
                 if grad is None:
                     self._local_grad(held, index).zero_()
+                    self._has_grad[index] = False
                     continue
                 any_grad = True
                 if grad is not shown_ref():

@@ -16,7 +16,7 @@ Every move goes through ``_move``, which refuses any other (an internal error na
 
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import Callable, Dict, FrozenSet, Optional, Tuple, cast
+from typing import Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple, cast
 
 import torch
 
@@ -115,6 +115,8 @@ class FlatGrad:
         self._before_backward: Optional[torch.Tensor] = None  # the optimizer's gradient, set aside
         self._this_backward: Optional[torch.Tensor] = None  # this backward's reduced gradient
         self._span_grad: Optional[torch.Tensor] = None  # the optimizer's gradient when the span is partial
+        self._arrived: Optional[List[bool]] = None  # by parameter, since the last reduction (tracks_arrivals)
+        self._unreduced_sum: Optional[torch.Tensor] = None  # earlier backwards' local sum (accumulates_in_reduce_dtype)
 
     def rebind(self, flat_param: torch.nn.Parameter) -> None:
         """The handle's flat parameter is a new object (converted off the meta device)."""
@@ -172,7 +174,7 @@ class FlatGrad:
         (freeing zeroed gradients before the forward, as torch's) and backward runs it again. Inside
         ``no_sync`` a ``zero_grad`` of every original parameter drops the local accumulation."""
         if self.is_unreduced and self._views.every_grad_dropped():
-            self._flat_param.grad = None
+            self._flat_param.grad = self._unreduced_sum = None
             self._move(GradPhase.SHARDED if self.phase is GradPhase.LOCAL else GradPhase.BACKWARD)
         if self._optim_grad is not None and not self._views.take_user_grads():
             self._set_for_optim(None)
@@ -250,9 +252,27 @@ class FlatGrad:
         self._span_grad = self._flat_param.grad = None
         self._move(GradPhase.BACKWARD)
 
+    def note_arrivals(self, piece_grads: Sequence[Optional[torch.Tensor]]) -> None:
+        """Autograd is about to assemble the unsharded gradient from these pieces' gradients: which
+        parameters got one, for views that show None for the others."""
+        if self._views.tracks_arrivals:
+            given = self._layout.params_given(piece_grads)
+            self._arrived = given if self._arrived is None else [a or b for a, b in zip(self._arrived, given)]
+
     def keep_unreduced(self) -> None:
-        """Inside ``no_sync``: leave the local gradient sum on ``flat_param.grad`` for later steps."""
+        """Inside ``no_sync``: leave the local gradient sum on ``flat_param.grad`` for later steps, or
+        (``accumulates_in_reduce_dtype``, computing in lower precision) add it to a sum apart in
+        ``reduce_dtype``, so that the micro-batches add up without rounding to ``param_dtype``."""
         self._move(GradPhase.LOCAL_BACKWARD)
+        grad = self._flat_param.grad
+        reduce_dtype = self.precision.reduce_dtype
+        if grad is None or not self.precision.accumulates_in_reduce_dtype or grad.dtype == reduce_dtype:
+            return
+        self._flat_param.grad = None
+        if self._unreduced_sum is None:
+            self._unreduced_sum = grad.to(reduce_dtype)
+        else:
+            self._unreduced_sum += grad
 
     def reduce(self) -> GradReduction:
         """Start reducing this backward's unsharded gradient in reduce_dtype: mean over the ranks, this
@@ -263,6 +283,8 @@ class FlatGrad:
         grad = self._flat_param.grad
         assert grad is not None, "the post-backward hook runs once autograd has accumulated the gradient"
         self._flat_param.grad = None
+        if self._unreduced_sum is not None:
+            grad, self._unreduced_sum = self._unreduced_sum.add_(grad), None
         hook = self.comm_hook
         casts_itself = hook is not None and hook.casts_itself
         if grad.dtype != self.precision.reduce_dtype and not self._in_full_precision() and not casts_itself:
@@ -321,7 +343,6 @@ class FlatGrad:
         A unit this backward never reached keeps its gradient as it was."""
         if self.phase is GradPhase.LOCAL_BACKWARD:
             self._move(GradPhase.LOCAL)
-            assert self._flat_param.grad is not None, "a backward inside no_sync leaves its local sum"
             self._views.show_unreduced_grads(self._flat_param.grad, self._layout)
             return
         if self.phase is not GradPhase.BACKWARD:
@@ -335,6 +356,9 @@ class FlatGrad:
         grad = reduced if before is None else before
         if grad is not None and self._keeps_low_precision and self._layout.is_sharded:
             grad = grad.to(self.precision.param_dtype)  # not sharded: left in reduce_dtype, as torch's
+        if reduced is not None and self._arrived is not None:
+            self._views.grads_arrived(self._arrived)
+        self._arrived = None
         self._set_for_optim(grad)
 
     def abandon_backward(self) -> None:
@@ -342,6 +366,7 @@ class FlatGrad:
         if self.phase is GradPhase.BACKWARD:
             self._move(GradPhase.SHARDED)
             self._flat_param.grad = None
+            self._arrived = None
             self._set_for_optim(self._before_backward)
         elif self.phase is GradPhase.LOCAL_BACKWARD:
             self._move(GradPhase.LOCAL)

@@ -21,13 +21,13 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from . import _collectives as comm
 from ._common import TrainingState
 from ._dtensor_views import DTensorParamViews, PostForwardRows, RowSharding, viewing
-from ._flat_param import FlatParamHandle
+from ._flat_param import FlatParamHandle, HandleState
 from ._layout import RowShardLayout
 from ._mixed_precision import HandlePrecision
 from ._traversal import FSDP_STATE, ParamSlot, is_fsdp_unit, iter_outermost_units, iter_param_slots
 from ._unit_state import UnitState, state_of
 from ._unshard import summon_full_params
-from ._views import FLAT_PARAM
+from ._views import FLATTENED
 from .api import (
     BackwardPrefetch,
     CPUOffloadPolicy,
@@ -41,14 +41,15 @@ from .api import (
 
 class UnshardHandle:
     """What ``unshard(async_op=True)`` returns: ``wait()`` finishes the all-gather and registers the
-    unsharded parameters. A forward waits for one nobody waited for."""
+    unsharded parameters. A forward waits for one nobody waited for; a wait after the gather was used
+    and freed (a forward and backward ran since) does nothing, as torch's."""
 
     def __init__(self, state: UnitState) -> None:
         self._state: Optional[UnitState] = state
 
     def wait(self) -> None:
         state, self._state = self._state, None
-        if state is not None and state.handle is not None:
+        if state is not None and state.handle is not None and state.handle.state is not HandleState.SHARDED:
             state.handle.wait_unshard()
             state.handle.use_resting_views()  # fully_shard's at rest while gathered: the unsharded parameters
 
@@ -128,10 +129,11 @@ class FSDPModule(nn.Module):
         not the last; fsdp1 finishes every backward, which gives the same gradients."""
 
     def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide the summed gradient by ``factor`` instead of averaging over the ranks (any backend)."""
-        for state in _states(self, recurse=True):
-            if state.handle is not None:
-                state.handle.grad.set_divide_factor(factor)
+        """Divide this module's summed gradient by ``factor`` instead of averaging over the ranks (any
+        backend); not its sharded submodules', as torch's."""
+        handle = _state(self).handle
+        if handle is not None:
+            handle.grad.set_divide_factor(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         warnings.warn("set_reduce_scatter_divide_factor is deprecated; use set_gradient_divide_factor", FutureWarning, stacklevel=2)
@@ -144,6 +146,8 @@ class FSDPModule(nn.Module):
         """``hook(reduced)`` on this module's reduced gradient shard, once per backward, after the
         all-reduce over the replicas (HSDP) or the reduce-scatter."""
         handle = _state(self).handle
+        if stream is not None and handle is not None and handle.replicate_group is not None:
+            raise ValueError("stream cannot be set when using native HSDP")  # torch's
         if handle is not None:
             handle.grad.reduced_hook = hook
 
@@ -153,8 +157,10 @@ class FSDPModule(nn.Module):
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """Accepted: fsdp1 keeps at most two reductions in flight, each finished before the next
         unsharded gradient is made."""
+        if not isinstance(max_input_buffers, int) or isinstance(max_input_buffers, bool):
+            raise TypeError(f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}")  # torch's
         if max_input_buffers < 1:
-            raise ValueError(f"fsdp1: set_reduce_scatter_max_input_buffers needs at least 1 buffer, got {max_input_buffers}.")
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")  # torch's
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         """Accepted: a stream-level overlap; fsdp1 issues every collective on the unit's group."""
@@ -196,7 +202,7 @@ class FSDPModule(nn.Module):
         iteration's gradients and reshard (fsdp1 also does this by itself at the next forward)."""
         state = _state(self)
         if not state.is_outermost():
-            raise RuntimeError("reset_iter_state() may only be called on the root FSDP module")
+            raise RuntimeError("reset_iter_state must be called on the root FSDP module")  # torch's
         if not state.root_state.is_clean():
             state.root_state.recover()
 
@@ -223,7 +229,10 @@ class FSDPModule(nn.Module):
 
 def _state(module: Any, api: str = "") -> UnitState:
     if not isinstance(module, FSDPModule):
-        raise ValueError(f"fsdp1: {api or 'this call'} takes modules that fully_shard was applied to, got {type(module).__name__}.")
+        raise ValueError(  # torch's phrase
+            f"Expects FSDPModule but got {type(module)}: {module}. fsdp1: {api or 'this call'} takes modules that "
+            "fully_shard was applied to."
+        )
     return state_of(module)
 
 
@@ -270,9 +279,14 @@ def fully_shard(
     if dp_mesh_dims is not None:
         raise NotImplementedError("fsdp1: fully_shard(dp_mesh_dims=...) (parameters that are already DTensors) is not supported yet.")
     mesh = _default_mesh() if mesh is None else mesh
-    groups = comm.mesh_groups(mesh)
     if mesh.ndim not in (1, 2):
         raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}")  # torch's
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise AssertionError(  # torch's type and phrase
+            "Please init the 2D mesh for HSDP with mesh_dim_names specified. fsdp1: e.g. "
+            "init_device_mesh(device_type, (replicas, shard), mesh_dim_names=(\"replicate\", \"shard\"))."
+        )
+    groups = comm.mesh_groups(mesh)
     shard_group = groups[-1]
     replicate_group = groups[0] if mesh.ndim == 2 else None
     placements: Tuple[Placement, ...] = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
@@ -282,11 +296,13 @@ def fully_shard(
     policy = _mixed_precision_policy(mp_policy)
     offload = _offload_policy(offload_policy)
     ignored = {id(p) for p in ignored_params or ()}
-    slots = [slot for each in modules for slot in _managed_slots(each, ignored, shard_placement_fn)]
+    slots = [slot for each in modules for slot in _managed_slots(each, ignored, shard_placement_fn, comm.group_size(shard_group))]
 
+    _check_one_dtype(slots)
     handle = None
     if slots:
-        precision = HandlePrecision(slots[0].live_param.dtype, policy.param_dtype, policy.reduce_dtype)
+        precision = HandlePrecision(slots[0].live_param.dtype, policy.param_dtype, policy.reduce_dtype,
+                                    accumulates_in_reduce_dtype=True)
         handle = FlatParamHandle(slots, modules[0], shard_group, replicate_group, is_sharded=True, use_orig_params=True,
                                  precision=precision, offload_params=isinstance(offload, CPUOffloadPolicy),
                                  row_sharding=RowSharding(mesh, placements))
@@ -333,9 +349,13 @@ def _check_module(module: nn.Module) -> None:
             f"fully_shard does not support containers that do not implement forward: {module}. "
             f"fsdp1: shard each module inside the {type(module).__name__} instead."
         )
+    if isinstance(module, FSDPModule):
+        raise AssertionError(  # torch's type and phrase
+            "Each distinct composable distributed API can only be applied to a module once. fsdp1: cannot "
+            f"fully_shard a {type(module).__name__}: fully_shard was already applied to it. Shard each module once."
+        )
     if FSDP_STATE in module.__dict__:
-        what = "fully_shard was already applied to it" if isinstance(module, FSDPModule) else "it is a FullyShardedDataParallel unit"
-        raise ValueError(f"fsdp1: cannot fully_shard a {type(module).__name__}: {what}. Shard each module once.")
+        raise ValueError(f"fsdp1: cannot fully_shard a {type(module).__name__}: it is a FullyShardedDataParallel unit.")
     for name, inner in module.named_modules():
         if getattr(type(inner), "_is_fsdp_unit", False):
             raise ValueError(
@@ -356,16 +376,19 @@ def _reshard_after_forward(value: Optional[Union[bool, int]], shard_size: int) -
     if value is None or isinstance(value, bool):
         return value, 0
     if not isinstance(value, int):
-        raise ValueError(f"fsdp1: reshard_after_forward must be None, a bool or an int, got {type(value).__name__}.")
+        raise ValueError(  # torch's phrase
+            f"reshard_after_forward should be a bool or an int representing the group size to reshard to, not {value}"
+        )
     if value == 1:
         warnings.warn("reshard_after_forward=1 is the same as False: the parameters stay gathered after forward.", stacklevel=3)
         return False, 0
     if value == shard_size:
         return True, 0
     if value < 1 or shard_size % value != 0:
-        raise ValueError(  # torch's type
-            f"reshard_after_forward={value} must be a positive divisor of the shard world size {shard_size}. "
-            "fsdp1: pass True, False or a divisor of the number of ranks each parameter is sharded over."
+        raise ValueError(  # torch's phrase
+            f"If passing reshard_after_forward as an int, it should be a factor of {shard_size}, not {value}. fsdp1: "
+            f"reshard_after_forward={value} must be a positive divisor of the shard world size {shard_size}: pass "
+            "True, False or a divisor of the number of ranks each parameter is sharded over."
         )
     return True, value
 
@@ -390,23 +413,26 @@ def _offload_policy(policy: Any) -> OffloadPolicy:
     raise ValueError(f"fsdp1: offload_policy must be an OffloadPolicy or CPUOffloadPolicy, got {name}.")
 
 
-def _managed_slots(module: nn.Module, ignored_ids: Set[int], placement_fn: Optional[Callable[[nn.Parameter], Any]]) -> List[ParamSlot]:
+def _managed_slots(module: nn.Module, ignored_ids: Set[int], placement_fn: Optional[Callable[[nn.Parameter], Any]],
+                   shard_size: int) -> List[ParamSlot]:
     """The registrations of the parameters this group shards: ``module``'s, minus those of modules
     sharded before it and the ignored ones. Refused: a scalar, a parameter that is already a DTensor
     (tensor parallelism), a placement other than ``Shard(0)``, a parameter tied to one another group
     manages (which would split one weight over two groups)."""
     sharded_elsewhere = _sharded_elsewhere(module)
-    slots = []
+    slots, dims = [], []
     for slot in iter_param_slots(module, stop=is_fsdp_unit):
         param = slot.live_param
         if id(param) in ignored_ids:
             continue
         elsewhere = sharded_elsewhere(param)
-        if elsewhere is not None:
-            raise ValueError(
-                f"fsdp1: parameter '{slot.fqn}' is shared with the parameter '{elsewhere}', which the "
-                "fully_shard module there already manages: one weight cannot be split over two groups. Do not "
-                "fully_shard that module on its own (its parameters then belong to this group), or untie the weight."
+        if elsewhere is not None or getattr(param, FLATTENED, False):
+            where = f" ('{elsewhere}')" if elsewhere is not None else ""
+            raise ValueError(  # torch's type and phrase, raised at its first forward
+                f"Parameter '{slot.fqn}' is shared with a parameter already managed by another FSDP group{where}. "
+                "For shared/tied parameters, use fully_shard([module_a, module_b]) to place them in the same FSDP "
+                "group. fsdp1: one weight cannot be split over two groups; shard the modules that share it as one "
+                "group, or a module holding them both, or untie the weight."
             )
         if param.dim() == 0:
             raise ValueError(f"fully_shard doesn't support scalar parameters. Change {slot.fqn} to a 1D tensor with numel equal to 1.")
@@ -415,14 +441,56 @@ def _managed_slots(module: nn.Module, ignored_ids: Set[int], placement_fn: Optio
                 f"fsdp1: parameter '{slot.fqn}' is already a DTensor (tensor parallelism); fully_shard of DTensor "
                 "parameters is not supported yet."
             )
+        if not param.is_contiguous():
+            raise NotImplementedError(  # torch's type and phrase
+                f"FSDP does not support non-contiguous parameters yet: {param.shape=} {param.stride()=}. fsdp1: "
+                f"make '{slot.fqn}' contiguous before fully_shard (e.g. a channels_last convolution's weight: "
+                "convert the module to channels_last after sharding, or not at all)."
+            )
         if placement_fn is not None:
-            placement = placement_fn(param)
-            if placement is not None and placement != Shard(0):
-                raise NotImplementedError(
-                    f"fsdp1: shard_placement_fn gave {placement} for '{slot.fqn}'; only Shard(0) (or None) is supported yet."
-                )
+            dims.append((slot.fqn, _placement_dim(param, placement_fn(param), shard_size)))
         slots.append(slot)
+    unsupported = next(((fqn, dim) for fqn, dim in dims if dim != 0), None)
+    if unsupported is not None:
+        raise NotImplementedError(
+            f"fsdp1: shard_placement_fn gave Shard({unsupported[1]}) for '{unsupported[0]}'; only Shard(0) (or None) "
+            "is supported yet."
+        )
     return slots
+
+
+def _check_one_dtype(slots: List[ParamSlot]) -> None:
+    """A group's parameters live in one flat shard of one dtype. torch's refuses trainable parameters of
+    several dtypes too (at its first forward); frozen ones of another dtype it keeps apart, which
+    fsdp1 does not do yet, so they are refused instead of being cast silently."""
+    dtypes = {slot.live_param.dtype for slot in slots}
+    if len(dtypes) < 2:
+        return
+    trainable = {slot.live_param.dtype for slot in slots if slot.live_param.requires_grad}
+    listed = ", ".join(f"'{slot.fqn}' {slot.live_param.dtype}" for slot in slots if slot.live_param.dtype != slots[0].live_param.dtype)
+    fix = (f"fsdp1: one group's parameters share one dtype ({slots[0].fqn} is {slots[0].live_param.dtype}; also {listed}). "
+           "fully_shard the modules holding the others as groups of their own, pass them as ignored_params, or "
+           "convert them to one dtype first.")
+    if len(trainable) > 1:
+        raise AssertionError(f"FSDP expects uniform original parameter dtype but got {trainable}. {fix}")  # torch's phrase
+    raise NotImplementedError(f"fsdp1: frozen parameters of another dtype than the rest of their group are not supported yet. {fix}")
+
+
+def _placement_dim(param: nn.Parameter, placement: Optional[Shard], shard_size: int) -> int:
+    """The dim ``shard_placement_fn`` gave ``param`` (None: 0), checked in torch's order with its
+    messages (every parameter is, before a dim fsdp1 does not build yet is refused)."""
+    if placement is None:
+        return 0
+    if not isinstance(placement, Shard):
+        raise AssertionError(f"Expected Shard, got {type(placement)}: {placement}")  # torch's
+    dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
+    if dim >= param.dim():
+        raise AssertionError(f"Shard dim {dim} is invalid for {param.dim()}D tensor: {param.shape}")  # torch's
+    if dim > 0 and param.shape[dim] % shard_size != 0:
+        raise NotImplementedError(  # torch's phrase
+            f"FSDP does not support uneven sharding on dim {dim}: {param.shape} (world size: {shard_size})"
+        )
+    return dim
 
 
 def _sharded_elsewhere(module: nn.Module) -> Callable[[nn.Parameter], Optional[str]]:
@@ -451,8 +519,8 @@ def _register_state_dict_hooks(module: nn.Module, handle: FlatParamHandle) -> No
     """``state_dict()`` reads the sharded DTensors (a module kept gathered reshards first, as torch's;
     each wrapper is rebuilt so that ``torch.save`` takes it);
     ``load_state_dict()`` copies DTensors into them in place, also takes plain full tensors (each
-    rank keeps its rows; torch's refuses them, pytorch#136336), and adopts what ``assign=True``
-    registered."""
+    rank keeps its rows; torch's refuses them, pytorch#136336); what ``assign=True`` registers is
+    taken at the next use (a forward, a state dict, a conversion), as torch's takes it at lazy init."""
     views, layout = handle.views, handle.layout
     assert isinstance(views, DTensorParamViews) and isinstance(layout, RowShardLayout), "fully_shard's handle"
     index_of = {id(slot.live_param): index for index, slot in enumerate(views.slots)}
@@ -461,6 +529,7 @@ def _register_state_dict_hooks(module: nn.Module, handle: FlatParamHandle) -> No
 
     def before_save(module: nn.Module, prefix: str, keep_vars: bool) -> None:
         if state.training_state is TrainingState.IDLE:
+            state.materialize_replaced()
             handle.write_back_orig_params()
             handle.reshard()
 
@@ -479,29 +548,9 @@ def _register_state_dict_hooks(module: nn.Module, handle: FlatParamHandle) -> No
             if isinstance(value, DTensor) and value.storage_offset() != 0:
                 state_dict[prefix + fqn] = viewing(value._local_tensor, value._spec)
 
-    def after_load(module: nn.Module, incompatible_keys: Any) -> None:
-        """``load_state_dict(assign=True)`` registered new DTensors, which the next use adopts (their
-        values copied into the shard, which they then view; after a client re-ties weights). A shard
-        still on the meta device (sharded before the model had storage, as Accelerate's low-memory
-        loading does) first gets storage where they live."""
-        assigned = views.registered()
-        device = next((p.device for p in assigned if p is not None and isinstance(p, DTensor) and not p.is_meta), None)
-        if device is not None and handle.local_shard.is_meta:
-            state.convert(lambda: _flat_param_on(state.owner, device))
-            views.register(assigned)
-
     module.register_state_dict_pre_hook(before_save)
     module.register_state_dict_post_hook(after_save)
     module.register_load_state_dict_pre_hook(before_load)
-    module.register_load_state_dict_post_hook(after_load)
-
-
-def _flat_param_on(owner: nn.Module, device: torch.device) -> None:
-    """Inside ``UnitState.convert``: the flat parameter ``owner`` holds, off the meta device, on ``device``."""
-    registered = owner._parameters[FLAT_PARAM]
-    assert registered is not None, "converting registers the flat parameter"
-    owner._parameters[FLAT_PARAM] = nn.Parameter(torch.empty_like(registered, device=device),
-                                                 requires_grad=registered.requires_grad)
 
 
 def share_comm_ctx(modules: List[FSDPModule]) -> None:

@@ -19,8 +19,8 @@ from ._unit_plan import IgnoredStates, is_flattened
 def check_param_init_fn(param_init_fn: Any) -> None:
     if param_init_fn is not None and not callable(param_init_fn):
         raise ValueError(
-            f"fsdp1: param_init_fn must be callable (it is called with each module to initialise), got "
-            f"{type(param_init_fn).__name__}."
+            f"fsdp1: Expected {param_init_fn} to be callable but got {type(param_init_fn)}: param_init_fn must be "
+            "callable (it is called with each module to initialise)."
         )
 
 
@@ -125,7 +125,7 @@ def check_same_values(module: nn.Module, ignored: IgnoredStates, groups: Process
     values = [value.hex() for value in sums.tolist()]  # hex: exact, and a NaN equals a NaN
     mine = [(tuple(param.shape), str(param.dtype), values[2 * i], values[2 * i + 1]) for i, param in enumerate(params)]
     for group in (groups.shard, groups.replicate):
-        if group is None or comm.group_size(group) == 1 or comm.is_fake(group):
+        if group is None or comm.group_size(group) == 1 or not comm.communicates(group):
             continue
         every = comm.all_gather_object(mine, group)
         for rank, theirs in enumerate(every):

@@ -69,6 +69,11 @@ class ParamLayout(ABC):
         """Each parameter, in its own shape, as a view of the pieces ``split`` made."""
         return [pieces[i].view(shape) for i, shape in zip(self._piece_of_param, self.shapes)]
 
+    def params_given(self, piece_grads: Sequence[Optional[torch.Tensor]]) -> List[bool]:
+        """Which parameters got a gradient, from the gradients of ``split``'s pieces (autograd passes
+        None for a piece nothing used)."""
+        return [piece_grads[i] is not None for i in self._piece_of_param]
+
     @property
     def unpadded_numel(self) -> int:
         """Elements of the unsharded buffer before its tail padding."""

@@ -35,6 +35,9 @@ class HandlePrecision:
     reduce_dtype_set: Optional[torch.dtype] = None
     keep_low_precision_grads: bool = False
     full_precision_in_eval: bool = False
+    accumulates_in_reduce_dtype: bool = False
+    """Whether gradients kept unreduced across backwards (``no_sync``) add up in ``reduce_dtype``
+    (torch's FSDP2) rather than in ``param_dtype`` on the flat parameter (torch's FSDP1)."""
 
     @classmethod
     def of(cls, mixed_precision: Optional[MixedPrecision], orig_dtype: torch.dtype) -> "HandlePrecision":

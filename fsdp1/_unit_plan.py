@@ -116,10 +116,10 @@ def auto_wrap(
     (pytorch#77724), validate every unit's final parameters, and only then wrap children-first."""
     for name, submodule in module.named_modules():
         if is_fsdp_unit(submodule):
-            raise ValueError(
-                "fsdp1: FSDP auto wrapping requires modules to not already have FSDP applied, but "
-                f"'{name}' is already a FullyShardedDataParallel unit. Pass the unwrapped module "
-                "with auto_wrap_policy, or wrap every unit by hand without it."
+            raise ValueError(  # torch's phrase
+                f"fsdp1: FSDP auto wrapping requires modules to not already have FSDP applied but found {name} in "
+                f"{type(module).__name__}: '{name}' is already a FullyShardedDataParallel unit. Pass the "
+                "unwrapped module with auto_wrap_policy, or wrap every unit by hand without it."
             )
     planned = plan_auto_wrap(module, policy, ignored.modules, child_kwargs, ignored.params)
     plan_full_precision_modules(module, child_kwargs["mixed_precision"], ignored.modules, planned, child_kwargs)

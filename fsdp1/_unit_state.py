@@ -26,6 +26,7 @@ from ._flat_param import FlatParamHandle, HandleState
 from ._mixed_precision import cast_floating_tensors
 from ._runtime import RootState, WeakPartial, current_graph_task, eager_only, inside_backward
 from ._traversal import FSDP_STATE, fsdp_units, iter_tensors, iter_unit_submodules
+from ._views import FLAT_PARAM
 from .api import BackwardPrefetch, MixedPrecision, ShardingStrategy
 
 
@@ -84,6 +85,7 @@ class UnitState:
         self.awaits_reduction = False  # a nested backward accumulated a partial gradient
         self._has_post_backward_hook = False
         self._submodule_forward: Optional[nn.Module] = None  # a submodule called from outside, running
+        self._group_forward: Optional[_GroupForward] = None  # a unit of several modules: its forward hooks
         for module in (owner, *self.also_hooked):
             module.__dict__[FSDP_STATE] = self
         self.register_post_backward_hook()
@@ -145,6 +147,8 @@ class UnitState:
         self.training_state = TrainingState.IDLE
         self.awaits_pre_backward = False
         self.awaits_reduction = False
+        if self._group_forward is not None:
+            self._group_forward.clear()
 
     @property
     def computes_in_full_precision(self) -> bool:
@@ -157,7 +161,12 @@ class UnitState:
     def convert(self, apply: Callable[[], object]) -> None:
         """Run ``nn.Module._apply`` (``apply``: ``.to()``, ``.double()``, ...) on the unit's module with
         the flat parameter registered in place of the originals, so that it converts the one tensor
-        that owns the storage; the handle then rebuilds every buffer and view from it."""
+        that owns the storage; the handle then rebuilds every buffer and view from it. A shard still
+        on the meta device whose parameters were replaced by real ones takes them first."""
+        self.materialize_replaced()
+        self._convert(apply)
+
+    def _convert(self, apply: Callable[[], object]) -> None:
         handle = self.handle
         if handle is None:
             apply()
@@ -166,9 +175,32 @@ class UnitState:
         with handle.converting():
             apply()
         self.compute_device = handle.compute_device  # with offloading the shard stays on the CPU
-        if handle.flat_param is not flat_param:  # a new object: its gradient needs the hook
-            self._has_post_backward_hook = False
-            self.register_post_backward_hook()
+        # A new object needs the hook, and so does the same one swapped (torch.__future__'s
+        # swap_module_params_on_conversion): the hook stayed with the tensor it was swapped with,
+        # though its dict of hooks came along, which would keep a new registration from taking.
+        for each in (flat_param, handle.flat_param):
+            each._post_accumulate_grad_hooks = None  # type: ignore[assignment]  # torch's own "no hooks yet"
+        self._has_post_backward_hook = False
+        self.register_post_backward_hook()
+
+    def materialize_replaced(self) -> None:
+        """A unit sharded on the meta device some of whose parameters were since replaced by real
+        tensors (a loader filling the model, ``load_state_dict(assign=True)``): its shard gets
+        (uninitialised) storage where they live, so that taking them copies their values in; the
+        parameters nobody replaced stay named as still on meta until they get values."""
+        handle = self.handle
+        device = handle.views.replacement_device() if handle is not None and handle.local_shard.is_meta else None
+        if handle is None or device is None:
+            return
+        replaced = handle.views.registered()
+        flat_param = handle.flat_param
+
+        def onto_device() -> None:
+            self.owner._parameters[FLAT_PARAM] = nn.Parameter(torch.empty_like(flat_param, device=device),
+                                                              requires_grad=flat_param.requires_grad)
+
+        self._convert(onto_device)
+        handle.views.register(replaced)
 
     # ----------------------------------------------------------------------------- hook registration
     def register_post_backward_hook(self) -> None:
@@ -187,7 +219,7 @@ class UnitState:
         inside a nested unit that uses a tied parameter this unit holds counts as one of its submodules."""
         modules = (self.hooked, *self.also_hooked)
         if self.also_hooked:
-            _GroupForward(self, modules)
+            self._group_forward = _GroupForward(self, modules)
         else:
             self.hooked.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
             self.hooked.register_forward_hook(self.post_forward)
@@ -230,7 +262,7 @@ class UnitState:
                 if self.compute_device.type != "cpu":
                     args, kwargs = move_to_device((args, kwargs), self.compute_device)
                 state.buffers.use(full_precision=self.computes_in_full_precision)
-            args, kwargs = self._cast_inputs(args, kwargs)
+            args, kwargs = self.cast_inputs(args, kwargs)
             self.training_state = TrainingState.FORWARD_BACKWARD
             handle = self.handle
             if handle is not None:
@@ -265,13 +297,21 @@ class UnitState:
             handle = member.handle
             if handle is None:
                 continue
+            member.materialize_replaced()
             handle.write_back_orig_params()  # first: resharding puts the originals back in the module
+            on_meta = handle.views.still_on_meta()
+            if on_meta:
+                raise RuntimeError(  # torch's phrase
+                    "FSDP parameters should be materialized from meta device before training, but the following were "
+                    f"still on meta device: {on_meta}\nFor example, call module.to_empty(device) to materialize to "
+                    "device and call module.reset_parameters() on each module to initialize values."
+                )
             if member.sync_gradients or not handle.grad.is_unreduced:
                 handle.reshard()
             handle.adopt_replaced_flat_param()
             handle.grad.take_user_changes()
 
-    def _cast_inputs(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+    def cast_inputs(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
         """Floating-point inputs in param_dtype: the root's by default (``cast_root_forward_inputs``),
         any unit's with ``cast_forward_inputs``; none when evaluating in full precision."""
         precision = self.mixed_precision
@@ -312,15 +352,22 @@ class UnitState:
                     handle.reshard()
                 else:
                     handle.keep_gathered_for_backward()
-            if self.output_dtype is not None:
-                output = cast_floating_tensors(self.output_dtype, output)
+            output = self.cast_output(output)
             if torch.is_grad_enabled():
                 for tensor in iter_tensors(output):
                     if tensor.requires_grad:
                         tensor.register_hook(self._pre_backward)
                         self.awaits_pre_backward = True
             self.training_state = TrainingState.IDLE
+            if self.is_root and not inside_backward():
+                for unit in reversed(self.root_state.units):
+                    if unit._group_forward is not None and unit._group_forward.is_incomplete:
+                        output = unit._group_forward.finish(output)
             return output
+
+    def cast_output(self, output: Any) -> Any:
+        """fully_shard's ``MixedPrecisionPolicy.output_dtype``."""
+        return output if self.output_dtype is None else cast_floating_tensors(self.output_dtype, output)
 
     def _reshards_after_forward(self) -> bool:
         schedule = self.schedule
@@ -413,12 +460,18 @@ class UnitState:
             handle.grad.finish_backward()
         self.training_state = TrainingState.IDLE
         self.awaits_pre_backward = False
+        if self._group_forward is not None:
+            self._group_forward.clear()
 
 
 class _GroupForward:
     """The forward hooks of a unit made of several modules: its forward begins when the first of them
     runs and ends once each has run, as torch's FSDP2 groups them (one gather, one set of views, so
-    that backward accumulates the unit's gradient once)."""
+    that backward accumulates the unit's gradient once). Every module's floating-point inputs are
+    cast (``cast_forward_inputs``) and its outputs too (``output_dtype``). A forward in which some
+    module did not run (the model's forward skipped the loss head, which runs per chunk after it)
+    ends with the root's forward (``finish``); a module called on its own after that begins a forward
+    of the group that the end of its backward closes (``clear``)."""
 
     def __init__(self, state: UnitState, modules: Sequence[nn.Module]) -> None:
         self._state = state
@@ -428,18 +481,31 @@ class _GroupForward:
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
             module.register_forward_hook(self._post_forward)
 
+    @property
+    def is_incomplete(self) -> bool:
+        return bool(self._to_run)
+
+    def clear(self) -> None:
+        self._to_run.clear()
+
+    def finish(self, output: Any) -> Any:
+        """End a forward some module of the group did not run in, on ``output`` (the root's)."""
+        self._to_run.clear()
+        return self._state.post_forward(self._modules[0], (), output)
+
     def _pre_forward(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]
                      ) -> Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]]:
         if self._to_run and self._state.training_state is not TrainingState.IDLE:
-            return None
+            return self._state.cast_inputs(args, kwargs)
         self._to_run = {id(m) for m in self._modules}
         return self._state.pre_forward(module, args, kwargs)
 
     def _post_forward(self, module: nn.Module, args: Tuple[Any, ...], output: Any) -> Any:
-        self._to_run.discard(id(module))
-        if self._to_run:
-            return None
-        return self._state.post_forward(module, args, output)
+        if id(module) in self._to_run:
+            self._to_run.discard(id(module))
+            if not self._to_run:
+                return self._state.post_forward(module, args, output)
+        return self._state.cast_output(output)
 
 
 def _gather(handle: FlatParamHandle) -> None:
@@ -454,6 +520,7 @@ def _before_unsharded_gradient(state: RootState, handle: FlatParamHandle, grad_o
     reading earlier units' unsharded gradients so that no two are alive together (the root's
     gradient, for one, is assembled after every block's reduction has started)."""
     handle.grad.begin_backward()
+    handle.grad.note_arrivals(grad_outputs)
     if handle.is_sharded:
         state.finish_reductions()
 
@@ -480,5 +547,6 @@ def adopt_replaced_flat_params(module: nn.Module) -> None:
     as its shard: before a state dict or ``summon_full_params`` reads the shards, as before a forward."""
     for unit in unit_states(module):
         if unit.handle is not None:
+            unit.materialize_replaced()
             unit.handle.write_back_orig_params()  # first, as at a forward: adopting a new shard re-points the originals
             unit.handle.adopt_replaced_flat_param()

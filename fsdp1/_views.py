@@ -217,11 +217,40 @@ class ParamViews(ABC):
         """Take into the shard what the user assigned to an original parameter; whether any was."""
         return False
 
+    def registered(self) -> List[Optional[nn.Parameter]]:
+        """What each parameter's first registration holds now."""
+        return [slot.module._parameters.get(slot.attr) for slot in self.slots]
+
+    def register(self, params: Sequence[Optional[nn.Parameter]]) -> None:
+        """Put back what ``registered`` returned (None: left as it is)."""
+        for slot, param in zip(self.slots, params):
+            if param is not None:
+                slot.module._parameters[slot.attr] = param
+
+    def replacement_device(self) -> Optional[torch.device]:
+        """While the shard is on the meta device: the device of a real tensor registered in a
+        parameter's place since, which the shard must be materialised on to take it (None: none)."""
+        return None
+
+    def still_on_meta(self) -> List[str]:
+        """The clean FQNs of the parameters that have no values off the meta device yet."""
+        return []
+
     def show_grads(self, grad: Optional[torch.Tensor], layout: ParamLayout, start: int) -> None:
         """The optimizer's gradient ``grad`` (over the shard from element ``start``) was handed over."""
 
-    def show_unreduced_grads(self, flat_grad: torch.Tensor, layout: ParamLayout) -> None:
-        """Inside ``no_sync``, after a backward: ``flat_grad`` holds this rank's unreduced sums."""
+    def show_unreduced_grads(self, flat_grad: Optional[torch.Tensor], layout: ParamLayout) -> None:
+        """Inside ``no_sync``, after a backward: ``flat_grad`` holds this rank's unreduced sums (None:
+        they are kept apart, in ``reduce_dtype``)."""
+
+    tracks_arrivals = False
+    """Whether a parameter no backward gave a gradient shows None rather than zeros, and the
+    parameters' post-accumulate-grad hooks run once a backward reduced their gradients
+    (``grads_arrived``), as under torch's FSDP2; FSDP1 shows the flat gradient's zeros."""
+
+    def grads_arrived(self, arrived: Sequence[bool]) -> None:
+        """A backward reduced the gradient, which the next ``show_grads`` shows; ``arrived``: which
+        parameters autograd gave one since the last reduction (``tracks_arrivals`` only)."""
 
     holds_grad = False
     """Whether the optimizer's gradient lives only as long as the parameters' ``.grad`` views of it
@@ -371,10 +400,11 @@ class OrigParamViews(ParamViews):
         for slot, view in zip(self.slots, self._grad_views):
             assign_grad(slot.live_param, view)
 
-    def show_unreduced_grads(self, flat_grad: torch.Tensor, layout: ParamLayout) -> None:
+    def show_unreduced_grads(self, flat_grad: Optional[torch.Tensor], layout: ParamLayout) -> None:
         """Each original parameter's ``.grad`` is its full-shape part of the local sum, as torch's shows
         it, for code that reads or clips gradients between micro-batches. Remade after every backward:
         autograd may replace the accumulated tensor instead of adding into it."""
+        assert flat_grad is not None, "FSDP1 keeps the local sum on the flat parameter"
         self._grad_views = []  # not the optimizer's gradient: nothing to write back into it
         for slot, grad, requires_grad in zip(self.slots, layout.unflatten(flat_grad), self.requires_grad):
             assign_grad(slot.live_param, grad if requires_grad else None)

@@ -131,9 +131,18 @@ def _policy(case: Dict[str, Any]):
     return None
 
 
+def _splits_a_tie(module: nn.Module, model: nn.Module) -> bool:
+    """Whether a parameter of ``module`` is also registered outside it (fully_shard refuses to shard
+    such a module on its own, as torch's does: one weight cannot be split over two groups)."""
+    inside = {id(p) for p in module.parameters()}
+    own = {id(m) for m in module.modules()}
+    return any(id(p) in inside for m in model.modules() if id(m) not in own for p in m.parameters(recurse=False))
+
+
 def _fully_sharded(case: Dict[str, Any]) -> nn.Module:
     """fully_shard's version of the case: each module the policy picks (children first; a size policy
-    picks the Sequentials holding at least ``min_params``), then the root."""
+    picks the Sequentials holding at least ``min_params``) unless it would split a tied weight, then
+    the root."""
     import fsdp1
 
     model = build(case)
@@ -147,7 +156,8 @@ def _fully_sharded(case: Dict[str, Any]) -> nn.Module:
     else:
         picked = []
     for module in reversed(picked):  # modules() lists parents first
-        fsdp1.fully_shard(module, **kwargs)
+        if not _splits_a_tie(module, model):
+            fsdp1.fully_shard(module, **kwargs)
     return fsdp1.fully_shard(model, **kwargs)
 
 

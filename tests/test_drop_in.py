@@ -358,7 +358,7 @@ def test_messages_keep_torchs_phrases():
     """The phrases, as the regular expressions torch's own tests match them with."""
     patterns = [
         "Expected state_dict_config of type", "should only be called on the root FSDP instance",
-        "FSDP auto wrapping requires modules to not already have FSDP applied",
+        "FSDP auto wrapping requires modules to not already have FSDP applied but found .* in",
         r"ignored_modules expects nn.Module list elements but got types \[<class 'torch.nn.parameter.Parameter'>\]",
         r"ignored_states expects all nn.Parameter or all nn.Module list elements but got types "
         r"\[<class 'torch.nn.modules.linear.Linear'>, <class 'torch.nn.parameter.Parameter'>\]",
@@ -673,9 +673,11 @@ def test_forward_assigns_views_through_a_modules_own_setattr(use_orig_params, un
         assert _same(result["fsdp1"], result["torch"])
 
 
-def test_a_process_group_object_without_init_process_group_is_taken_as_torchs():
+@pytest.mark.parametrize("size", [1, 2])
+def test_a_process_group_object_without_init_process_group_is_taken_as_torchs(size):
     """A stand-in group (torch's own wrap-policy tests use one) on a process that never called
-    ``init_process_group``: the same units, rank, world size and outputs as torch's."""
+    ``init_process_group``: the same units, rank, world size and shards as torch's, and on one rank
+    the same outputs (a stand-in of two ranks cannot gather: it only plans)."""
     from torch.testing._internal.common_fsdp import DummyProcessGroup
 
     assert not dist.is_initialized()
@@ -686,12 +688,16 @@ def test_a_process_group_object_without_init_process_group_is_taken_as_torchs():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the world size of 1 switches to NO_SHARD, with a warning
             model = fsdp.FullyShardedDataParallel(
-                nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), process_group=DummyProcessGroup(rank=0, size=1),
+                nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), process_group=DummyProcessGroup(rank=0, size=size),
                 auto_wrap_policy=fsdp.wrap.ModuleWrapPolicy({nn.Linear}), **cpu)
-        output = model(torch.ones(3, 4))
-        output.sum().backward()
         units = [(m.rank, m.world_size) for m in model.modules() if isinstance(m, fsdp.FullyShardedDataParallel)]
-        seen[name] = units, output, [p.grad for p in model.parameters()]
+        shards = [p.detach().clone() for p in model.parameters()]
+        if size == 1:
+            output = model(torch.ones(3, 4))
+            output.sum().backward()
+            seen[name] = units, shards, output, [p.grad for p in model.parameters()]
+        else:
+            seen[name] = units, shards
     assert _same(seen["fsdp1"], seen["torch"])
 
 

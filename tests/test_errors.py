@@ -246,7 +246,7 @@ class TestErrors(expecttest.TestCase):
         self.assertExpectedInline(self.construction_error(_half_frozen_stack), """ValueError: fsdp1: the root unit mixes trainable parameters ('4.weight', '4.bias', '5.weight', '5.bias', '6.weight', '6.bias' and 2 more) and frozen ones ('0.weight', '0.bias', '1.weight', '1.bias', '2.weight', '2.bias' and 2 more), but with use_orig_params=False a unit's one FlatParameter has one requires_grad. Pass use_orig_params=True, or wrap the frozen submodules as units of their own.""")
 
     def test_auto_wrap_of_a_module_that_holds_a_unit(self):
-        self.assertExpectedInline(self.construction_error(_already_wrapped, auto_wrap_policy=LinearPolicy), """ValueError: fsdp1: FSDP auto wrapping requires modules to not already have FSDP applied, but 'blocks.1' is already a FullyShardedDataParallel unit. Pass the unwrapped module with auto_wrap_policy, or wrap every unit by hand without it.""")
+        self.assertExpectedInline(self.construction_error(_already_wrapped, auto_wrap_policy=LinearPolicy), """ValueError: fsdp1: FSDP auto wrapping requires modules to not already have FSDP applied but found blocks.1 in Blocks: 'blocks.1' is already a FullyShardedDataParallel unit. Pass the unwrapped module with auto_wrap_policy, or wrap every unit by hand without it.""")
 
     def test_tied_weight_split_across_units_by_hand(self):
         """Auto-wrapping gives a tied weight to the units' common parent; wrapping by hand cannot."""

@@ -544,12 +544,13 @@ def _errors():
     refused("scalar", lambda: fsdp1.fully_shard(scalar))
     refused("int_not_dividing", lambda: fsdp1.fully_shard(nn.Linear(2, 2), reshard_after_forward=3))
     twice = fsdp1.fully_shard(nn.Linear(2, 2))
-    refused("twice", lambda: fsdp1.fully_shard(twice))
+    refused("twice", lambda: fsdp1.fully_shard(twice), AssertionError)
     refused("fsdp1_inside", lambda: fsdp1.fully_shard(nn.Sequential(fsdp1.FullyShardedDataParallel(nn.Linear(2, 2)))))
     refused("fully_shard_inside", lambda: fsdp1.FullyShardedDataParallel(nn.Sequential(fsdp1.fully_shard(nn.Linear(2, 2)))))
     from torch.distributed.tensor import Shard
 
-    refused("shard_dim_1", lambda: fsdp1.fully_shard(nn.Linear(2, 2), shard_placement_fn=lambda p: Shard(1)), NotImplementedError)
+    refused("shard_dim_1", lambda: fsdp1.fully_shard(nn.Linear(2, 2), shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else None),
+            NotImplementedError)
     from torch.distributed.tensor import Replicate, distribute_tensor, init_device_mesh
 
     parallel = nn.Linear(2, 2)  # a tensor-parallel parameter: already a DTensor
@@ -572,4 +573,4 @@ def test_bad_input_is_refused_naming_the_module_or_parameter_and_the_fix():
     assert "contains the fully_shard module '0'" in messages["fully_shard_inside"]
     assert "only Shard(0) (or None) is supported yet" in messages["shard_dim_1"]
     assert "parameter 'weight' is already a DTensor (tensor parallelism)" in messages["dtensor_param"]
-    assert "parameter '1.weight' is shared with the parameter '0.weight'" in messages["tied_across_groups"]
+    assert "Parameter '1.weight' is shared with a parameter already managed by another FSDP group ('0.weight')" in messages["tied_across_groups"]

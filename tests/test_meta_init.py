@@ -218,7 +218,8 @@ def _errors():
 
 def test_bad_input_names_the_module_and_fails_on_every_rank():
     results = run_on_ranks(2, _errors)
-    assert results[0][0] == "fsdp1: param_init_fn must be callable (it is called with each module to initialise), got int."
+    assert results[0][0] == ("fsdp1: Expected 3 to be callable but got <class 'int'>: param_init_fn must be callable (it "
+                             "is called with each module to initialise).")
     assert results[0][1].startswith("fsdp1: module '1' (NoReset) is on the meta device but has no reset_parameters()")
     # The shape mismatch is found before any broadcast, on both ranks.
     assert results[0][2] == "fsdp1: sync_module_states: 'weight' is torch.float32 of shape (2, 2) on rank 0 but torch.float32 of shape (3, 2) on rank 1; build the same model on every rank."
