@@ -175,6 +175,15 @@ class DTensorParamViews(OrigParamViews):
             if current is slot.param and isinstance(current, DTensor) and _local_of(current) is view:
                 continue
             where = self.clean_fqn(slot)
+            if getattr(current, FLATTENED, False) and id(current) not in self._managed_params:
+                raise ValueError(  # torch's phrase (its fully_shard trains this case on the two groups' shared storage)
+                    f"Parameter '{where}' is shared with a parameter already managed by another FSDP group. For "
+                    "shared/tied parameters, use fully_shard([module_a, module_b]) to place them in the same FSDP group. "
+                    f"fsdp1: '{where}' was registered, after sharding, as a parameter another fully_shard group holds "
+                    "(weights tied after fully_shard, as Transformers' loading ties the embedding and the head). Tie the "
+                    "weights before fully_shard and shard the modules that share them as one group (or leave them to "
+                    "a module holding both), or untie them."
+                )
             if current.shape != slot.live_param.shape:
                 raise RuntimeError(
                     f"fsdp1: '{where}' of a fully_shard module was replaced by a {type(current).__name__} of shape "

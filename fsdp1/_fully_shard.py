@@ -12,10 +12,12 @@ blocks first, then the root, whose first forward makes it the root of every unit
 import contextlib
 import functools
 import warnings
+from collections import OrderedDict
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple, Type, Union
 
 import torch
 from torch import nn
+from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem, _get_registry
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from . import _collectives as comm
@@ -319,8 +321,9 @@ def fully_shard(
                                          cast_forward_inputs=policy.cast_forward_inputs,
                                          cast_root_forward_inputs=policy.cast_forward_inputs)
     strategy = ShardingStrategy.FULL_SHARD if replicate_group is None else ShardingStrategy.HYBRID_SHARD
+    replicated = [m for each in modules for m in each.modules() if _is_replicated(m)]
     state = UnitState(modules[0], modules[0], handle, shard_group, strategy, mixed_precision, BackwardPrefetch.BACKWARD_PRE,
-                      False, compute_device, (), also_hooked=modules[1:])
+                      False, compute_device, replicated, also_hooked=modules[1:])
     state.schedule.reshard_after_forward = after_forward
     state.output_dtype = policy.output_dtype
     for each in modules:
@@ -329,6 +332,7 @@ def fully_shard(
         if handle is not None:
             _register_state_dict_hooks(each, handle)
         each.__class__ = _fsdp_class(type(each))
+        _register_as_fully_shard(each)
     return modules if isinstance(module, list) else module
 
 
@@ -421,7 +425,7 @@ def _managed_slots(module: nn.Module, ignored_ids: Set[int], placement_fn: Optio
     manages (which would split one weight over two groups)."""
     sharded_elsewhere = _sharded_elsewhere(module)
     slots, dims = [], []
-    for slot in iter_param_slots(module, stop=is_fsdp_unit):
+    for slot in iter_param_slots(module, stop=lambda m: is_fsdp_unit(m) or _is_replicated(m)):
         param = slot.live_param
         if id(param) in ignored_ids:
             continue
@@ -491,6 +495,20 @@ def _placement_dim(param: nn.Parameter, placement: Optional[Shard], shard_size: 
             f"FSDP does not support uneven sharding on dim {dim}: {param.shape} (world size: {shard_size})"
         )
     return dim
+
+
+def _is_replicated(module: nn.Module) -> bool:
+    """Whether torch's composable ``replicate`` (DDP) manages ``module``: its parameters stay out of
+    the group, as torch's ``fully_shard`` leaves them."""
+    return "replicate" in (_get_registry(module) or {})
+
+
+def _register_as_fully_shard(module: nn.Module) -> None:
+    """Enter ``module`` in torch's registry of composable APIs under ``fully_shard``, as torch's does,
+    so that torch's ``replicate`` leaves it (and its parameters) out, and torch's own ``fully_shard``
+    refuses it as applied twice."""
+    registry = module.__dict__.setdefault(REGISTRY_KEY, OrderedDict())
+    registry["fully_shard"] = RegistryItem()
 
 
 def _sharded_elsewhere(module: nn.Module) -> Callable[[nn.Parameter], Optional[str]]:

@@ -300,7 +300,7 @@ class UnitState:
             member.materialize_replaced()
             handle.write_back_orig_params()  # first: resharding puts the originals back in the module
             on_meta = handle.views.still_on_meta()
-            if on_meta:
+            if on_meta and comm.communicates(member.process_group):  # the memory estimator's dry run is on meta
                 raise RuntimeError(  # torch's phrase
                     "FSDP parameters should be materialized from meta device before training, but the following were "
                     f"still on meta device: {on_meta}\nFor example, call module.to_empty(device) to materialize to "

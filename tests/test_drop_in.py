@@ -771,3 +771,38 @@ def test_the_fsdp_tutorials_mnist_code_runs_as_written_and_equals_torchs(with_po
         torch_loss, torch_test, torch_states, _ = result["torch"]
         loss, test, states, warned = result["fsdp1"]
         assert _same((loss, test, states), (torch_loss, torch_test, torch_states)) and warned
+
+
+def _warnings_whose_claims_do_not_hold():
+    """torch's FSDP1 warns that it will not gather a container's parameters (a ``ModuleList`` has no
+    forward) and that a unit mixing frozen and trainable parameters costs gradient memory for the frozen
+    ones. Neither holds for fsdp1, which says nothing: calls of the container's children gather (the
+    children train like DDP's), and frozen parameters keep no gradient (tested in test_frozen_params)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 3)])
+    reference = DDP(copy.deepcopy(layers))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wrapped = fsdp1.FullyShardedDataParallel(layers, use_orig_params=True)
+        mixed = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        mixed[0].requires_grad_(False)
+        fsdp1.FullyShardedDataParallel(mixed, use_orig_params=True,
+                                       auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({nn.Sequential}))
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
+    for model in (wrapped.module, reference.module):  # the container's children, called from outside
+        model[1](model[0](x)).sum().backward()
+    for param in reference.module.parameters():  # DDP reduces only through its own forward: average by hand
+        dist.all_reduce(param.grad)
+        param.grad /= dist.get_world_size()
+    with fsdp1.FullyShardedDataParallel.summon_full_params(wrapped, with_grads=True):
+        grads = [p.grad.clone() for p in wrapped.parameters()]
+    return [str(w.message) for w in caught], grads, [p.grad for p in reference.module.parameters()]
+
+
+def test_fsdp1_does_not_warn_where_its_units_gather_containers_and_keep_no_frozen_gradients():
+    for caught, grads, ddp_grads in run_on_ranks(2, _warnings_whose_claims_do_not_hold):
+        assert caught == []
+        assert len(grads) == len(ddp_grads) == 4
+        assert all(torch.allclose(g, d, atol=1e-7) for g, d in zip(grads, ddp_grads))

@@ -584,3 +584,42 @@ def test_local_shards_share_the_groups_storage_and_save_with_safetensors_once_cl
         assert theirs[rank][0] is False
         assert ours[rank][1].keys() == theirs[rank][1].keys()
         assert all(torch.equal(ours[rank][1][k], theirs[rank][1][k]) for k in theirs[rank][1])
+
+
+# ---------------------------------------------------------------------------------------------- composition
+class _MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.in_proj, self.out_proj = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.out_proj(self.in_proj(x).relu())
+
+
+def _with_replicate(impl, where):
+    from torch.distributed._composable import replicate
+
+    shard = _fully_shard(impl)
+    torch.manual_seed(0)
+    if where == "inside":  # torch's: replicate() a submodule, fully_shard the rest
+        model = nn.Sequential(_MLP(), _MLP(), _MLP())
+        replicate(model[0])
+        shard(model[2])
+        shard(model)
+    else:  # fully_shard submodules, then replicate() the model around them
+        model = nn.Sequential(nn.Linear(4, 4), _MLP())
+        shard(model[1].in_proj, reshard_after_forward=False)
+        shard(model[1])
+        replicate(model)
+    for _ in range(2):
+        model(torch.randn(2, 4, generator=torch.Generator().manual_seed(dist.get_rank()))).sum().backward()
+    return [type(p).__name__ for p in model.parameters()], [
+        None if p.grad is None else (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad) for p in model.parameters()
+    ]
+
+
+@pytest.mark.parametrize("where", ["inside", "outside"])
+def test_modules_managed_by_torchs_replicate_compose_as_with_torchs(where):
+    ours, theirs = (run_on_ranks(2, _with_replicate, impl, where)[0] for impl in ("fsdp1", "torch"))
+    assert ours[0] == theirs[0]
+    assert _same(ours[1], theirs[1])
