@@ -630,6 +630,30 @@ def test_inside_no_sync_the_original_parameters_show_the_local_unsharded_gradien
         assert result["fsdp1"][0][0][0].shape == (4, 4)
 
 
+def _shard_grad_op_inside_no_sync():
+    results = {}
+    for name in IMPLEMENTATIONS:
+        torch.manual_seed(0)
+        model = _wrapped(name, Net(), sharding_strategy=_strategy(name, "SHARD_GRAD_OP"))
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        with model.no_sync():
+            model(torch.randn(2, 4) + dist.get_rank()).sum().backward()
+        flat_numel = next(model.parameters()).numel()
+        model(torch.randn(2, 4)).sum().backward()
+        optim.step()
+        results[name] = flat_numel, _full_params(name, model)
+    return results
+
+
+def test_shard_grad_op_inside_no_sync_keeps_the_unsharded_flat_parameter_and_trains_as_torchs():
+    """A documented difference: both keep the unsharded buffer for the next micro-batch (no gather);
+    fsdp1's flat parameter keeps pointing at it, torch's points at the shard."""
+    for result in run_on_ranks(2, _shard_grad_op_inside_no_sync):
+        assert result["fsdp1"][0] == 36  # 4 * 4 + 4 + 4 * 3 + 3 = 35 elements, padded: both ranks' shards
+        assert result["torch"][0] == 18  # this rank's shard of the padded 36
+        assert _same(result["fsdp1"][1], result["torch"][1])
+
+
 class SetattrLinear(nn.Module):
     """Counts assignments through its own ``__setattr__`` (a cache keyed on assignment would)."""
 
