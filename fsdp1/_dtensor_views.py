@@ -88,6 +88,7 @@ class DTensorParamViews(OrigParamViews):
         self.replaced: Dict[int, Tuple["weakref.ref[nn.Parameter]", nn.Module, str]] = {}
         self._installed: Optional[List[torch.Tensor]] = None  # what install() registered; None: the DTensors
         self._awaiting_values: Set[int] = set()  # materialised off the meta device for others, never given values
+        self._member_paths: Dict[int, str] = {}  # a group of several modules: each one's modules' path, by id
 
     def install_initial(self, flat_param: nn.Parameter, shard: torch.Tensor, unsharded: torch.Tensor, layout: ParamLayout) -> None:
         for index, (slot, view) in enumerate(zip(self.slots, layout.local_views(shard))):
@@ -114,6 +115,18 @@ class DTensorParamViews(OrigParamViews):
                 param.data = moved  # the wrapper's own dtype and device
             _point(param, moved)
         self._resting_views = [_local_of(param) for param in self.orig_params()]
+
+    def name_member(self, member: nn.Module, path: str) -> None:
+        """``member``, one module of a group of several, is ``path`` from the root: its parameters'
+        names (relative to it) are named from there."""
+        for module in member.modules():
+            self._member_paths[id(module)] = path
+
+    def clean_fqn(self, slot: ParamSlot) -> str:
+        member_path = self._member_paths.get(id(slot.module))
+        if member_path is None:
+            return super().clean_fqn(slot)
+        return f"{member_path}.{slot.fqn}" if member_path else slot.fqn
 
     def register(self, params: Sequence[Optional[nn.Parameter]]) -> None:
         """Put back what ``registered`` returned; the parameters nobody replaced then await values

@@ -328,7 +328,11 @@ def fully_shard(
     state.output_dtype = policy.output_dtype
     for each in modules:
         for path, inner in iter_outermost_units(each):
-            state_of(inner).nest(path)
+            inner_state = state_of(inner)
+            inner_state.nest(path)
+            if inner_state.also_hooked and inner_state.handle is not None:  # a group: each module its own path
+                assert isinstance(inner_state.handle.views, DTensorParamViews), "fully_shard's handle"
+                inner_state.handle.views.name_member(inner, path)
         if handle is not None:
             _register_state_dict_hooks(each, handle)
         each.__class__ = _fsdp_class(type(each))

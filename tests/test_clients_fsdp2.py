@@ -354,4 +354,4 @@ def test_a_tied_model_loaded_with_fsdp_size_is_refused_at_the_first_forward_nami
     trains it through the two groups sharing the parameter's storage, which fsdp1's flat shards cannot share."""
     ours, theirs = (run_on_ranks(2, _from_pretrained_sharded, engine, str(tmp_path), "llama_tied")[0] for engine in ("fsdp1", "torch"))
     assert isinstance(theirs[1], list)
-    assert "is shared with a parameter already managed by another FSDP group" in ours[1]
+    assert "Parameter 'model.embed_tokens.weight' is shared with a parameter already managed by another FSDP group" in ours[1]

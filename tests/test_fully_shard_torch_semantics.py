@@ -623,3 +623,31 @@ def test_modules_managed_by_torchs_replicate_compose_as_with_torchs(where):
     ours, theirs = (run_on_ranks(2, _with_replicate, impl, where)[0] for impl in ("fsdp1", "torch"))
     assert ours[0] == theirs[0]
     assert _same(ours[1], theirs[1])
+
+
+def _group_member_left_on_meta(impl):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    shard = _fully_shard(impl)
+    torch.manual_seed(0)
+    reference = TinyGPT()
+    with torch.device("meta"):
+        model = TinyGPT()
+    shard([model.ln_f, model.head])
+    shard(model)
+    mesh = model.pos.device_mesh
+    for (name, _), value in zip(list(model.named_parameters()), reference.parameters()):
+        if name != "ln_f.bias":
+            module_path, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(module_path), attr, nn.Parameter(distribute_tensor(value.detach(), mesh, [Shard(0)])))
+    try:
+        model(batch(0, dist.get_rank(), dist.get_world_size())[0])
+    except RuntimeError as error:
+        return str(error).split("\n")[0]
+    return "no error"
+
+
+def test_a_parameter_of_a_group_of_several_modules_is_named_from_the_root_as_torchs():
+    ours, theirs = (run_on_ranks(2, _group_member_left_on_meta, impl)[0] for impl in ("fsdp1", "torch"))
+    assert ours == theirs
+    assert ours.endswith("still on meta device: ['ln_f.bias']")
