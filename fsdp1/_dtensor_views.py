@@ -134,11 +134,11 @@ class DTensorParamViews(OrigParamViews):
         super().register(params)
         self._awaiting_values = {index for index, (slot, param) in enumerate(zip(self.slots, params)) if param is slot.live_param}
 
-    def replacement_device(self) -> Optional[torch.device]:
+    def replacement(self) -> Optional[torch.Tensor]:
         for slot in self.slots:
             current = slot.module._parameters.get(slot.attr)
             if current is not None and current is not slot.live_param and not current.is_meta:
-                return current.device
+                return current
         return None
 
     def still_on_meta(self) -> List[str]:
@@ -197,11 +197,12 @@ class DTensorParamViews(OrigParamViews):
                     "weights before fully_shard and shard the modules that share them as one group (or leave them to "
                     "a module holding both), or untie them."
                 )
-            if current.shape != slot.live_param.shape:
+            if current.shape != slot.live_param.shape or current.dtype != view.dtype:
                 raise RuntimeError(
                     f"fsdp1: '{where}' of a fully_shard module was replaced by a {type(current).__name__} of shape "
-                    f"{tuple(current.shape)}; it must keep the shape {tuple(slot.live_param.shape)}. Assign values in "
-                    "place (param.copy_(...)), or load them with load_state_dict()."
+                    f"{tuple(current.shape)} and dtype {current.dtype}; its group holds shape "
+                    f"{tuple(slot.live_param.shape)} in {view.dtype}. Assign values of that shape and dtype, or convert "
+                    "the module first (module.to(dtype)); or load them with load_state_dict(), which converts."
                 )
             local = current.to_local() if isinstance(current, DTensor) else self._held_rows(current, view, rank)
             with torch.no_grad():  # through ``.data``: the shard's version counter is the flat parameter's
@@ -227,6 +228,8 @@ class DTensorParamViews(OrigParamViews):
     tracks_arrivals = True
 
     def grads_arrived(self, arrived: Sequence[bool]) -> None:
+        if self.held_grad() is None:  # none was kept: every .grad was dropped (zero_grad), which freed it
+            self._has_grad = [False] * len(self.slots)
         self._has_grad = [had or now for had, now in zip(self._has_grad, arrived)]
         self._hooks_due = arrived
 

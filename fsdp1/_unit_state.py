@@ -186,17 +186,17 @@ class UnitState:
     def materialize_replaced(self) -> None:
         """A unit sharded on the meta device some of whose parameters were since replaced by real
         tensors (a loader filling the model, ``load_state_dict(assign=True)``): its shard gets
-        (uninitialised) storage where they live, so that taking them copies their values in; the
+        (uninitialised) storage where they live, in their dtype, so that taking them copies their values in; the
         parameters nobody replaced stay named as still on meta until they get values."""
         handle = self.handle
-        device = handle.views.replacement_device() if handle is not None and handle.local_shard.is_meta else None
-        if handle is None or device is None:
+        like = handle.views.replacement() if handle is not None and handle.local_shard.is_meta else None
+        if handle is None or like is None:
             return
         replaced = handle.views.registered()
         flat_param = handle.flat_param
 
         def onto_device() -> None:
-            self.owner._parameters[FLAT_PARAM] = nn.Parameter(torch.empty_like(flat_param, device=device),
+            self.owner._parameters[FLAT_PARAM] = nn.Parameter(torch.empty_like(flat_param, device=like.device, dtype=like.dtype),
                                                               requires_grad=flat_param.requires_grad)
 
         self._convert(onto_device)

@@ -227,9 +227,9 @@ class ParamViews(ABC):
             if param is not None:
                 slot.module._parameters[slot.attr] = param
 
-    def replacement_device(self) -> Optional[torch.device]:
-        """While the shard is on the meta device: the device of a real tensor registered in a
-        parameter's place since, which the shard must be materialised on to take it (None: none)."""
+    def replacement(self) -> Optional[torch.Tensor]:
+        """While the shard is on the meta device: a real tensor registered in a parameter's place
+        since, whose device and dtype the shard must be materialised in to take it (None: none)."""
         return None
 
     def still_on_meta(self) -> List[str]:

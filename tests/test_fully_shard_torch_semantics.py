@@ -651,3 +651,65 @@ def test_a_parameter_of_a_group_of_several_modules_is_named_from_the_root_as_tor
     ours, theirs = (run_on_ranks(2, _group_member_left_on_meta, impl)[0] for impl in ("fsdp1", "torch"))
     assert ours == theirs
     assert ours.endswith("still on meta device: ['ln_f.bias']")
+
+
+class _OptionalSecond(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.use_b = True
+
+    def forward(self, x):
+        h = self.a(x)
+        return h + self.b(h) if self.use_b else h
+
+
+def _module_unused_after_a_step(impl):
+    shard = _fully_shard(impl)
+    torch.manual_seed(0)
+    model = _OptionalSecond()
+    shard([model.a, model.b])
+    shard(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    grads = []
+    for step in range(3):
+        model.use_b = step == 0  # b runs in the first step only: AdamW must then skip it
+        model(torch.randn(2, 4, generator=torch.Generator().manual_seed(step * 2 + dist.get_rank()))).sum().backward()
+        grads.append(_full_grads(model))
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+    return grads, [p.detach().full_tensor() for p in model.parameters()]
+
+
+def test_a_module_unused_after_a_step_has_no_gradient_and_adamw_skips_it_as_torchs():
+    ours, theirs = (run_on_ranks(2, _module_unused_after_a_step, impl)[0] for impl in ("fsdp1", "torch"))
+    assert ours[0][1][2] is None  # b.weight in the second step
+    assert all(_same(a, b) for a, b in zip(ours[0], theirs[0]))
+    assert _same(ours[1], theirs[1])
+
+
+def _replaced_on_meta_in_another_dtype(impl):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    shard = _fully_shard(impl)
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    shard(model[0])
+    shard(model)
+    mesh = model[0].weight.device_mesh
+    for (name, _), value in zip(list(model.named_parameters()), reference.parameters()):
+        module_path, _, attr = name.rpartition(".")
+        bf16 = distribute_tensor(value.detach().to(torch.bfloat16), mesh, [Shard(0)])
+        setattr(model.get_submodule(module_path), attr, nn.Parameter(bf16))
+    out = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(dist.get_rank())).to(torch.bfloat16))
+    out.float().sum().backward()
+    return out.detach(), [p.dtype for p in model.parameters()], _full_grads(model)
+
+
+def test_parameters_registered_on_meta_in_another_dtype_are_taken_in_theirs_as_torchs():
+    ours, theirs = (run_on_ranks(2, _replaced_on_meta_in_another_dtype, impl)[0] for impl in ("fsdp1", "torch"))
+    assert ours[1] == theirs[1] == [torch.bfloat16] * 4
+    assert torch.equal(ours[0], theirs[0])
+    assert _same(ours[2], theirs[2])
