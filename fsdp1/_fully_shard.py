@@ -276,6 +276,11 @@ def fully_shard(
     modules = list(module) if isinstance(module, list) else [module]
     if not modules:
         raise ValueError("fsdp1: fully_shard got an empty list of modules; pass the modules to shard as one group.")
+    if len({id(each) for each in modules}) < len(modules):
+        raise AssertionError(  # torch's type and phrase
+            "Each distinct composable distributed API can only be applied to a module once. fsdp1: fully_shard got "
+            "the same module twice in its list; list each module of the group once."
+        )
     for each in modules:
         _check_module(each)
     if dp_mesh_dims is not None:
@@ -490,7 +495,7 @@ def _placement_dim(param: nn.Parameter, placement: Optional[Shard], shard_size: 
     if placement is None:
         return 0
     if not isinstance(placement, Shard):
-        raise AssertionError(f"Expected Shard, got {type(placement)}: {placement}")  # torch's
+        raise ValueError(f"Invalid shard_placement_fn result: {placement}")  # torch's
     dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
     if dim >= param.dim():
         raise AssertionError(f"Shard dim {dim} is invalid for {param.dim()}D tensor: {param.shape}")  # torch's

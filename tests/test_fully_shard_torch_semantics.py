@@ -481,8 +481,11 @@ def test_a_module_kept_gathered_after_forward_holds_leaf_parameters_as_torchs():
 
 
 def _argument_checks(impl):
+    from torch.distributed.tensor import Replicate
+
     shard = _fully_shard(impl)
     model = shard(nn.Linear(4, 4))
+    twice = nn.Linear(4, 4)
     outcomes = {}
     calls = {
         "buffers_float": lambda: model.set_reduce_scatter_max_input_buffers(2.5),
@@ -492,6 +495,8 @@ def _argument_checks(impl):
         "twice": lambda: shard(model),
         "int_not_a_factor": lambda: shard(nn.Linear(4, 4), reshard_after_forward=3),
         "float": lambda: shard(nn.Linear(4, 4), reshard_after_forward=2.0),
+        "listed_twice": lambda: shard([twice, twice]),
+        "replicate_placement": lambda: shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Replicate()),
     }
     for name, call in calls.items():
         try:
@@ -499,6 +504,7 @@ def _argument_checks(impl):
             outcomes[name] = ("no error", "")
         except Exception as error:  # noqa: BLE001 - compared with torch's
             outcomes[name] = (type(error).__name__, str(error))
+    outcomes["listed_twice_class"] = (type(twice).__name__, "")  # a refused call changes nothing
     return outcomes
 
 
