@@ -83,6 +83,7 @@ class UnitState:
         self.awaits_pre_backward = False  # an output of this forward will call _pre_backward
         self._backward_graph_task = -1  # autograd graph task this unit's backward began in
         self.awaits_reduction = False  # a nested backward accumulated a partial gradient
+        self.forwards_awaiting_gradient = 0  # forwards since the last backward whose split no gradient reached yet
         self._has_post_backward_hook = False
         self._submodule_forward: Optional[nn.Module] = None  # a submodule called from outside, running
         self._group_forward: Optional[_GroupForward] = None  # a unit of several modules: its forward hooks
@@ -147,6 +148,7 @@ class UnitState:
         self.training_state = TrainingState.IDLE
         self.awaits_pre_backward = False
         self.awaits_reduction = False
+        self.forwards_awaiting_gradient = 0
         if self._group_forward is not None:
             self._group_forward.clear()
 
@@ -276,7 +278,8 @@ class UnitState:
                 gradient_node = handle.use_unsharded_views()
                 self.register_post_backward_hook()
                 if gradient_node is not None:
-                    gradient_node.register_prehook(WeakPartial(_before_unsharded_gradient, state, handle))
+                    self.forwards_awaiting_gradient += 1
+                    gradient_node.register_prehook(WeakPartial(_before_unsharded_gradient, state, self))
             return args, kwargs
 
     @staticmethod
@@ -422,7 +425,10 @@ class UnitState:
                     "(backward with create_graph=True); FSDP does not support gradients of gradients. "
                     "Call backward() without create_graph."
                 )
-            if current_graph_task() != self._backward_graph_task:
+            # In low precision each forward's views feed an accumulator of their own (a .data of
+            # another dtype resets the flat parameter's), so the hook fires once per forward: the
+            # unit is reduced once every forward's gradient has arrived, or at the final callback.
+            if current_graph_task() != self._backward_graph_task or self.forwards_awaiting_gradient > 0:
                 self.awaits_reduction = True
                 return
             self.reduce_and_reshard()
@@ -460,6 +466,7 @@ class UnitState:
             handle.grad.finish_backward()
         self.training_state = TrainingState.IDLE
         self.awaits_pre_backward = False
+        self.forwards_awaiting_gradient = 0
         if self._group_forward is not None:
             self._group_forward.clear()
 
@@ -514,11 +521,14 @@ def _gather(handle: FlatParamHandle) -> None:
     handle.wait_unshard()
 
 
-def _before_unsharded_gradient(state: RootState, handle: FlatParamHandle, grad_outputs: Tuple[torch.Tensor, ...]) -> None:
+def _before_unsharded_gradient(state: RootState, unit: UnitState, grad_outputs: Tuple[torch.Tensor, ...]) -> None:
     """Autograd is about to assemble a unit's unsharded gradient and accumulate it into the flat
     parameter: move the optimizer's gradient aside first, and (sharded) finish the reductions still
     reading earlier units' unsharded gradients so that no two are alive together (the root's
     gradient, for one, is assembled after every block's reduction has started)."""
+    unit.forwards_awaiting_gradient = max(0, unit.forwards_awaiting_gradient - 1)
+    handle = unit.handle
+    assert handle is not None, "only a unit with parameters has views to split"
     handle.grad.begin_backward()
     handle.grad.note_arrivals(grad_outputs)
     if handle.is_sharded:
