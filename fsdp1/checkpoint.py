@@ -35,7 +35,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from . import _collectives as comm
+from ._engine import collectives as comm
 
 MANIFEST = "fsdp1_manifest.json"
 """The commit marker: a checkpoint directory without it is incomplete."""

@@ -13,8 +13,8 @@ from typing import Callable, Optional
 
 import torch
 
-from . import _collectives as comm
-from ._shard_math import gradient_divide_factors
+from ._engine import collectives as comm
+from ._engine.shard_math import gradient_divide_factors
 
 __all__ = [
     "DefaultState",

@@ -14,28 +14,38 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
-from . import _clip_grad, _state_dict, comm_hooks
-from . import _collectives as comm
-from ._common import HYBRID_STRATEGIES, SHARDED_STRATEGIES, TrainingState
-from ._device import materialization_device, resolve_compute_device
-from ._flat_grad import CommHook
-from ._flat_param import FlatParamHandle
-from ._initial_values import MetaInit, check_param_init_fn, check_same_values, move_to_compute_device
-from ._initial_values import sync_module_states as sync_states_from_first
-from ._mixed_precision import HandlePrecision, checked_precision
-from ._optim_state_dict_api import OptimStateDictAPI, OptimStateKeyType
-from ._process_groups import (
+from . import comm_hooks
+from ._engine import collectives as comm
+from ._engine.common import HYBRID_STRATEGIES, SHARDED_STRATEGIES, TrainingState
+from ._engine.device import materialization_device, resolve_compute_device
+from ._engine.flat_grad import CommHook
+from ._engine.flat_param import FlatParamHandle
+from ._engine.mixed_precision import HandlePrecision, checked_precision
+from ._engine.runtime import RootState
+from ._engine.traversal import (
+    FSDP_WRAPPED_MODULE,
+    ParamSlot,
+    clean_fqn,
+    first_fully_shard_module,
+    fsdp_units,
+    unit_name,
+    unit_paths,
+)
+from ._engine.unit_state import UnitState, state_of
+from ._engine.unshard import summon_full_params
+from ._state_dict import state_dict as _state_dict
+from ._wrapper import clip_grad as _clip_grad
+from ._wrapper.initial_values import MetaInit, check_param_init_fn, check_same_values, move_to_compute_device
+from ._wrapper.initial_values import sync_module_states as sync_states_from_first
+from ._wrapper.optim_state_dict_api import OptimStateDictAPI, OptimStateKeyType
+from ._wrapper.process_groups import (
     ProcessGroups,
     coerce_sharding_strategy,
     node_local_groups,
     resolve_process_groups,
     resolve_sharding_strategy,
 )
-from ._runtime import RootState
-from ._traversal import FSDP_WRAPPED_MODULE, ParamSlot, clean_fqn, first_fully_shard_module, fsdp_units, unit_name, unit_paths
-from ._unit_plan import auto_wrap, resolve_ignored_states, unit_param_slots
-from ._unit_state import UnitState, state_of
-from ._unshard import summon_full_params
+from ._wrapper.unit_plan import auto_wrap, resolve_ignored_states, unit_param_slots
 from .api import (
     BackwardPrefetch,
     CPUOffload,

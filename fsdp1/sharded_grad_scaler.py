@@ -12,7 +12,7 @@ from typing import Dict, Iterable, List, Optional, Tuple, Union, overload
 
 import torch
 
-from . import _collectives as comm
+from ._engine import collectives as comm
 
 __all__ = ["ShardedGradScaler"]
 

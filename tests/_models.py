@@ -10,7 +10,7 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsdp1
-from fsdp1._traversal import unit_paths
+from fsdp1._engine.traversal import unit_paths
 
 VOCAB, SEQ, D_MODEL, HEADS, LAYERS, HIDDEN = 37, 9, 10, 2, 2, 31
 """Sizes chosen so that no flat parameter divides evenly: every unit (1111 and 887 elements) needs

@@ -400,7 +400,7 @@ def test_offload_to_cpu_on_a_no_shard_unit_works_where_torchs_refuses():
 def _assert_state_outcomes():
     from torch.distributed.fsdp._common_utils import TrainingState as TorchState
 
-    from fsdp1._common import TrainingState as OurState
+    from fsdp1._engine.common import TrainingState as OurState
 
     results = {}
     for name in IMPLEMENTATIONS:

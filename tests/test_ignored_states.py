@@ -35,7 +35,7 @@ def _train_with_ignored(case, strategy, use_orig_params):
         model, auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({Block}),
         sharding_strategy=fsdp1.ShardingStrategy[strategy], use_orig_params=use_orig_params, **kwargs,
     )
-    units = fsdp1._traversal.unit_paths(ours)
+    units = fsdp1._engine.traversal.unit_paths(ours)
     flattened = {f"{path}.{fqn}".lstrip(".") for unit, path in units.items() if unit._handle is not None for fqn in unit._handle.fqns}
     ddp_model = copy.deepcopy(base)
     # DDP names a parameter of its root module ".name" ("{module}.{param}" with an empty module name)

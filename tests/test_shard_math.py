@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp1._shard_math import (
+from fsdp1._engine.shard_math import (
     chunk_numel,
     dim0_chunk_range,
     gradient_divide_factors,

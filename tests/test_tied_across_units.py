@@ -81,7 +81,7 @@ def _policy(*modules, classes=()):
 
 def _holders(model, fqn):
     """Paths of the units whose flat parameter holds ``fqn`` (relative to the unit)."""
-    units = fsdp1._traversal.unit_paths(model)
+    units = fsdp1._engine.traversal.unit_paths(model)
     return [path for unit, path in units.items() if unit._handle is not None and any(
         (f"{path}.{name}" if path else name) == fqn for name in unit._handle.fqns)]
 
@@ -96,7 +96,7 @@ def _tied_gpt_in_units(ways, strategy, use_orig_params):
         model, auto_wrap_policy=_policy(*tied, classes=[Block]),
         sharding_strategy=fsdp1.ShardingStrategy[strategy], use_orig_params=use_orig_params,
     )
-    units = sorted(fsdp1._traversal.unit_paths(ours).values())
+    units = sorted(fsdp1._engine.traversal.unit_paths(ours).values())
     ddp = DDP(copy.deepcopy(base))
     losses = [train(m, STEPS, world_size, rank) for m in (ours, ddp)]
     return units, _holders(ours, "tok.weight"), losses, max_relative_error(fsdp1_full_params(ours), plain_params(ddp))

@@ -7,10 +7,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp1._flat_param import FlatParamHandle
-from fsdp1._mixed_precision import HandlePrecision
-from fsdp1._traversal import iter_param_slots
-from fsdp1._unit_state import UnitState
+from fsdp1._engine.flat_param import FlatParamHandle
+from fsdp1._engine.mixed_precision import HandlePrecision
+from fsdp1._engine.traversal import iter_param_slots
+from fsdp1._engine.unit_state import UnitState
 from fsdp1.api import BackwardPrefetch, ShardingStrategy
 
 from _harness import run_on_ranks
@@ -46,7 +46,7 @@ def test_a_plain_module_holding_unit_states_trains_as_torch_fsdp1():
 
 def _gradient_phases():
     from fsdp1 import FullyShardedDataParallel as FSDP
-    from fsdp1._flat_grad import GradPhase
+    from fsdp1._engine.flat_grad import GradPhase
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = FSDP(make_gpt())

@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsdp1
 from fsdp1 import wrap as fsdp1_wrap
-from fsdp1._traversal import clean_fqn
+from fsdp1._engine.traversal import clean_fqn
 
 from _harness import run_on_ranks
 from _models import (

@@ -19,15 +19,15 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
-from . import _collectives as comm
-from ._common import RESHARD_AFTER_FORWARD, TrainingState
-from ._device import move_to_device
-from ._flat_param import FlatParamHandle, HandleState
-from ._mixed_precision import cast_floating_tensors
-from ._runtime import RootState, WeakPartial, current_graph_task, eager_only, inside_backward
-from ._traversal import FSDP_STATE, fsdp_units, iter_tensors, iter_unit_submodules
-from ._views import FLAT_PARAM
-from .api import BackwardPrefetch, MixedPrecision, ShardingStrategy
+from ..api import BackwardPrefetch, MixedPrecision, ShardingStrategy
+from . import collectives as comm
+from .common import RESHARD_AFTER_FORWARD, TrainingState
+from .device import move_to_device
+from .flat_param import FlatParamHandle, HandleState
+from .mixed_precision import cast_floating_tensors
+from .runtime import RootState, WeakPartial, current_graph_task, eager_only, inside_backward
+from .traversal import FSDP_STATE, fsdp_units, iter_tensors, iter_unit_submodules
+from .views import FLAT_PARAM
 
 
 @dataclass

@@ -10,10 +10,17 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from . import _collectives as comm
-from ._process_groups import ProcessGroups
-from ._traversal import ParamSlot, clean_fqn, iter_param_slots, iter_unit_submodules, unit_named_buffers, unit_named_modules
-from ._unit_plan import IgnoredStates, is_flattened
+from .._engine import collectives as comm
+from .._engine.traversal import (
+    ParamSlot,
+    clean_fqn,
+    iter_param_slots,
+    iter_unit_submodules,
+    unit_named_buffers,
+    unit_named_modules,
+)
+from .process_groups import ProcessGroups
+from .unit_plan import IgnoredStates, is_flattened
 
 
 def check_param_init_fn(param_init_fn: Any) -> None:

@@ -10,10 +10,10 @@ from typing import Iterator, List
 
 from torch import nn
 
-from . import _collectives as comm
-from ._common import TrainingState
-from ._traversal import is_fsdp_unit, unit_name, unit_paths
-from ._unit_state import UnitState, adopt_replaced_flat_params, state_of, unit_states
+from . import collectives as comm
+from .common import TrainingState
+from .traversal import is_fsdp_unit, unit_name, unit_paths
+from .unit_state import UnitState, adopt_replaced_flat_params, state_of, unit_states
 
 
 @contextlib.contextmanager

@@ -15,9 +15,9 @@ from typing import Any, Collection, Dict, Iterable, List, Optional, Protocol, Se
 import torch
 from torch import nn
 
-from ._device import map_tensors
-from ._traversal import iter_tensors, unit_named_buffers
-from .api import MixedPrecision
+from ..api import MixedPrecision
+from .device import map_tensors
+from .traversal import iter_tensors, unit_named_buffers
 
 FULL_PRECISION_IN_EVAL_ENV = "FSDP_USE_FULL_PREC_IN_EVAL"
 

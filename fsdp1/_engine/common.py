@@ -6,7 +6,7 @@ state-dict paths can all read these without reaching up to the module that drive
 
 from enum import Enum, auto
 
-from .api import ShardingStrategy
+from ..api import ShardingStrategy
 
 
 class TrainingState(Enum):

@@ -11,10 +11,10 @@ from typing import List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
-from . import _collectives as comm
-from ._layout import FlatShardLayout, ParamLayout, shard_of_values
-from ._redistribute import RowRedistribution
-from ._shard_math import ShardSpan, shard_span
+from . import collectives as comm
+from .layout import FlatShardLayout, ParamLayout, shard_of_values
+from .redistribute import RowRedistribution
+from .shard_math import ShardSpan, shard_span
 
 
 class ShardHolder(Protocol):

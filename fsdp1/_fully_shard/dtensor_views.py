@@ -19,10 +19,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
-from . import _collectives as comm
-from ._layout import ParamLayout, RowShardLayout, alloc_storage
-from ._traversal import ParamSlot
-from ._views import FLATTENED, OrigParamViews
+from .._engine import collectives as comm
+from .._engine.layout import ParamLayout, RowShardLayout, alloc_storage
+from .._engine.traversal import ParamSlot
+from .._engine.views import FLATTENED, OrigParamViews
 
 if TYPE_CHECKING:
     from torch.distributed.tensor._dtensor_spec import DTensorSpec

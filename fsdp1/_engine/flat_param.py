@@ -25,14 +25,14 @@ from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from . import _collectives as comm
-from ._dtensor_views import DTensorParamViews, PostForwardRows, RowSharding
-from ._flat_grad import FlatGrad, to_host
-from ._layout import FlatShardLayout, ParamLayout, RowShardLayout, alloc_storage, free_storage
-from ._mixed_precision import HandlePrecision
-from ._shard_conversions import ShardConversions
-from ._traversal import ParamSlot
-from ._views import FLAT_PARAM, FLATTENED, make_views
+from .._fully_shard.dtensor_views import DTensorParamViews, PostForwardRows, RowSharding
+from . import collectives as comm
+from .flat_grad import FlatGrad, to_host
+from .layout import FlatShardLayout, ParamLayout, RowShardLayout, alloc_storage, free_storage
+from .mixed_precision import HandlePrecision
+from .shard_conversions import ShardConversions
+from .traversal import ParamSlot
+from .views import FLAT_PARAM, FLATTENED, make_views
 
 
 class _FlatParameterMeta(type(nn.Parameter)):  # type: ignore[misc]  # a metaclass derived from a dynamic type

@@ -20,17 +20,16 @@ from torch import nn
 from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem, _get_registry
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from . import _collectives as comm
-from ._common import TrainingState
-from ._dtensor_views import DTensorParamViews, PostForwardRows, RowSharding, viewing
-from ._flat_param import FlatParamHandle, HandleState
-from ._layout import RowShardLayout
-from ._mixed_precision import HandlePrecision
-from ._traversal import FSDP_STATE, ParamSlot, is_fsdp_unit, iter_outermost_units, iter_param_slots
-from ._unit_state import UnitState, state_of
-from ._unshard import summon_full_params
-from ._views import FLATTENED
-from .api import (
+from .._engine import collectives as comm
+from .._engine.common import TrainingState
+from .._engine.flat_param import FlatParamHandle, HandleState
+from .._engine.layout import RowShardLayout
+from .._engine.mixed_precision import HandlePrecision
+from .._engine.traversal import FSDP_STATE, ParamSlot, is_fsdp_unit, iter_outermost_units, iter_param_slots
+from .._engine.unit_state import UnitState, state_of
+from .._engine.unshard import summon_full_params
+from .._engine.views import FLATTENED
+from ..api import (
     BackwardPrefetch,
     CPUOffloadPolicy,
     DataParallelMeshDims,
@@ -39,6 +38,7 @@ from .api import (
     OffloadPolicy,
     ShardingStrategy,
 )
+from .dtensor_views import DTensorParamViews, PostForwardRows, RowSharding, viewing
 
 
 class UnshardHandle:

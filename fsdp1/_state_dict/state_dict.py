@@ -23,13 +23,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn.modules.batchnorm import _NormBase
 
-from . import _collectives as comm
-from ._common import TrainingState
-from ._flat_param import FlatParameter, FlatParamHandle
-from ._traversal import FSDP_PREFIX, FSDP_WRAPPED_MODULE, clean_fqn, fsdp_units, is_fsdp_unit
-from ._unit_state import adopt_replaced_flat_params
-from ._views import FLAT_PARAM, FLATTENED
-from .api import (
+from .._engine import collectives as comm
+from .._engine.common import TrainingState
+from .._engine.flat_param import FlatParameter, FlatParamHandle
+from .._engine.traversal import FSDP_PREFIX, FSDP_WRAPPED_MODULE, clean_fqn, fsdp_units, is_fsdp_unit
+from .._engine.unit_state import adopt_replaced_flat_params
+from .._engine.views import FLAT_PARAM, FLATTENED
+from ..api import (
     STATE_DICT_CONFIG_TYPES,
     FullStateDictConfig,
     ShardingStrategy,
@@ -40,7 +40,7 @@ from .api import (
 )
 
 if TYPE_CHECKING:
-    from .fully_sharded_data_parallel import FullyShardedDataParallel as Unit
+    from ..fully_sharded_data_parallel import FullyShardedDataParallel as Unit
 
 _NAME_ONLY = torch.empty(0)
 """Stands under an original parameter's name while the module saves, so that its key comes out where

@@ -20,12 +20,12 @@ from typing import Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple, c
 
 import torch
 
-from . import _collectives as comm
-from ._device import wait_for_device
-from ._layout import ParamLayout
-from ._mixed_precision import HandlePrecision
-from ._shard_math import gradient_divide_factors
-from ._views import ParamViews, assign_grad
+from . import collectives as comm
+from .device import wait_for_device
+from .layout import ParamLayout
+from .mixed_precision import HandlePrecision
+from .shard_math import gradient_divide_factors
+from .views import ParamViews, assign_grad
 
 
 class GradPhase(Enum):

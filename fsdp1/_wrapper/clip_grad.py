@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, List, Optional
 
 import torch
 
-from . import _collectives as comm
-from ._flat_param import FlatParamHandle
+from .._engine import collectives as comm
+from .._engine.flat_param import FlatParamHandle
 
 if TYPE_CHECKING:
-    from .fully_sharded_data_parallel import FullyShardedDataParallel as Unit
+    from ..fully_sharded_data_parallel import FullyShardedDataParallel as Unit
 
 
 def clip_grad_norm_(root: "Unit", max_norm: float, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:

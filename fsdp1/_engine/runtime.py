@@ -25,14 +25,14 @@ import torch
 from torch.autograd import Variable
 from torch.autograd.profiler import record_function
 
-from . import _collectives as comm
-from ._common import TrainingState
-from ._flat_grad import GradReduction
-from ._mixed_precision import BufferPrecision
-from ._traversal import unit_paths
+from . import collectives as comm
+from .common import TrainingState
+from .flat_grad import GradReduction
+from .mixed_precision import BufferPrecision
+from .traversal import unit_paths
 
 if TYPE_CHECKING:
-    from ._unit_state import UnitState
+    from .unit_state import UnitState
 
 
 _Fn = TypeVar("_Fn", bound=Callable[..., Any])

@@ -14,9 +14,9 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, ca
 
 from torch import nn
 
-from ._flat_param import FlatParameter, FlatParamHandle
-from ._mixed_precision import plan_full_precision_modules
-from ._traversal import (
+from .._engine.flat_param import FlatParameter, FlatParamHandle
+from .._engine.mixed_precision import plan_full_precision_modules
+from .._engine.traversal import (
     ParamSlot,
     clean_fqn,
     is_fsdp_unit,
@@ -25,8 +25,8 @@ from ._traversal import (
     unit_name,
     unit_paths,
 )
-from ._views import FLATTENED
-from .wrap import AutoWrapPolicy, apply_wrap, children_first, plan_auto_wrap
+from .._engine.views import FLATTENED
+from ..wrap import AutoWrapPolicy, apply_wrap, children_first, plan_auto_wrap
 
 
 class IgnoredStates:

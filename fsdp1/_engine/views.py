@@ -27,10 +27,10 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ._layout import ParamLayout
-from ._placeholder import ShardedParamPlaceholder
-from ._shard_math import ALIGNMENT_BYTES
-from ._traversal import ParamSlot, split_registrations
+from .layout import ParamLayout
+from .placeholder import ShardedParamPlaceholder
+from .shard_math import ALIGNMENT_BYTES
+from .traversal import ParamSlot, split_registrations
 
 FLAT_PARAM = "_flat_param"
 UNSAFE_SETATTR = "FSDP_USE_UNSAFE_SETATTR"  # torch's switch: views bypass a module's own __setattr__

@@ -23,8 +23,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import _collectives as comm
-from ._shard_math import (
+from . import collectives as comm
+from .shard_math import (
     ALIGNMENT_PADDING_VALUE,
     FlatLayout,
     ParamShardInfo,

@@ -7,9 +7,9 @@ from typing import Any, Dict, Optional
 import torch
 from torch import nn
 
-from . import _collectives as comm
-from . import _optim_state_dict
-from .api import coerce_enum
+from .._engine import collectives as comm
+from .._state_dict import optim_state_dict as _optim_state_dict
+from ..api import coerce_enum
 
 
 class OptimStateKeyType(Enum):

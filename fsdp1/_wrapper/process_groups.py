@@ -8,9 +8,9 @@ import os
 import warnings
 from typing import Any, Optional, Tuple
 
-from . import _collectives as comm
-from ._common import HYBRID_STRATEGIES
-from .api import ShardingStrategy, coerce_enum
+from .._engine import collectives as comm
+from .._engine.common import HYBRID_STRATEGIES
+from ..api import ShardingStrategy, coerce_enum
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,11 +18,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from . import _collectives as comm
-from ._layout import piece_in_shard
-from ._optim_params import OptimizerParams, State, UnitEntry, params_in, params_of
-from ._state_dict import _all_units, _dim0_chunk, _effective_type, get_state_dict_type, rows_as_dtensors, state_dict_type
-from .api import FullOptimStateDictConfig, StateDictType
+from .._engine import collectives as comm
+from .._engine.layout import piece_in_shard
+from ..api import FullOptimStateDictConfig, StateDictType
+from .optim_params import OptimizerParams, State, UnitEntry, params_in, params_of
+from .state_dict import _all_units, _dim0_chunk, _effective_type, get_state_dict_type, rows_as_dtensors, state_dict_type
 
 
 def _check_every_rank_calls(model: nn.Module, api: str) -> None:

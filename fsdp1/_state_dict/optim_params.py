@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tupl
 import torch
 from torch import nn
 
-from ._flat_param import FlatParamHandle
-from ._traversal import clean_fqn, unit_paths
+from .._engine.flat_param import FlatParamHandle
+from .._engine.traversal import clean_fqn, unit_paths
 
 if TYPE_CHECKING:
-    from .fully_sharded_data_parallel import FullyShardedDataParallel as Unit
+    from ..fully_sharded_data_parallel import FullyShardedDataParallel as Unit
 
 State = Dict[str, Any]
 
