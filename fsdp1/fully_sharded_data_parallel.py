@@ -8,7 +8,7 @@ a script written for torch's FSDP1 runs after swapping the import.
 
 import contextlib
 from enum import Enum
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple, Union, cast
 
 import torch
 from torch import nn
@@ -16,10 +16,11 @@ from torch.autograd.profiler import record_function
 
 from . import comm_hooks
 from ._engine import collectives as comm
-from ._engine.common import HYBRID_STRATEGIES, SHARDED_STRATEGIES, TrainingState
+from ._engine.common import TrainingState
 from ._engine.device import materialization_device, resolve_compute_device
 from ._engine.flat_grad import CommHook
 from ._engine.flat_param import FlatParamHandle
+from ._engine.layout import FlatShardLayout
 from ._engine.mixed_precision import HandlePrecision, checked_precision
 from ._engine.runtime import RootState
 from ._engine.traversal import (
@@ -33,17 +34,21 @@ from ._engine.traversal import (
 )
 from ._engine.unit_state import UnitState, state_of
 from ._engine.unshard import summon_full_params
+from ._engine.views import make_views
 from ._state_dict import state_dict as _state_dict
 from ._wrapper import clip_grad as _clip_grad
 from ._wrapper.initial_values import MetaInit, check_param_init_fn, check_same_values, move_to_compute_device
 from ._wrapper.initial_values import sync_module_states as sync_states_from_first
 from ._wrapper.optim_state_dict_api import OptimStateDictAPI, OptimStateKeyType
 from ._wrapper.process_groups import (
+    HYBRID_STRATEGIES,
+    SHARDED_STRATEGIES,
     ProcessGroups,
     coerce_sharding_strategy,
     node_local_groups,
     resolve_process_groups,
     resolve_sharding_strategy,
+    unit_schedule,
 )
 from ._wrapper.unit_plan import auto_wrap, resolve_ignored_states, unit_param_slots
 from .api import (
@@ -148,7 +153,8 @@ class FullyShardedDataParallel(nn.Module, OptimStateDictAPI):
         self._fsdp_wrapped_module = module
 
         # Runtime state, owned by the unit's state; the root is decided lazily, at the first forward.
-        UnitState(self, module, handle, groups.shard, strategy, mixed_precision, prefetch, forward_prefetch,
+        self._sharding_strategy = strategy
+        UnitState(self, module, handle, groups.shard, unit_schedule(strategy, prefetch, forward_prefetch), mixed_precision,
                   compute_device, self._ignored.modules)
         for unit, path in unit_paths(self).items():
             if unit is not self:
@@ -196,9 +202,11 @@ class FullyShardedDataParallel(nn.Module, OptimStateDictAPI):
                 initialize(slots)
             return None, compute_device
         is_sharded = strategy in SHARDED_STRATEGIES and self.world_size > 1
+        views = make_views(slots, module, use_orig_params)
+        precision = HandlePrecision.of(mixed_precision, slots[0].live_param.dtype)
+        layout = FlatShardLayout(views.shapes, views.aligned_numel(precision.param_dtype), self.rank, self.world_size, is_sharded)
         handle = FlatParamHandle(
-            slots, module, groups.shard, groups.replicate, is_sharded, use_orig_params,
-            HandlePrecision.of(mixed_precision, slots[0].live_param.dtype), self.cpu_offload.offload_params,
+            views, layout, groups, precision, self.cpu_offload.offload_params,
             materialize_in_place=initialize if meta_init.is_in_place else None, device=compute_device,
         )
         return handle, compute_device
@@ -222,7 +230,7 @@ class FullyShardedDataParallel(nn.Module, OptimStateDictAPI):
         return state_of(self).is_root
 
     @property
-    def _root_state(self) -> Optional[RootState]:
+    def _root_state(self) -> Optional[RootState[UnitState]]:
         state = state_of(self)
         return state.root_state if state.has_root_state else None
 
@@ -236,7 +244,7 @@ class FullyShardedDataParallel(nn.Module, OptimStateDictAPI):
 
     @property
     def sharding_strategy(self) -> ShardingStrategy:
-        return state_of(self).sharding_strategy
+        return self._sharding_strategy
 
     @property
     def mixed_precision(self) -> Optional[MixedPrecision]:
@@ -248,19 +256,19 @@ class FullyShardedDataParallel(nn.Module, OptimStateDictAPI):
 
     @property
     def backward_prefetch(self) -> Optional[BackwardPrefetch]:
-        return state_of(self).backward_prefetch
+        return state_of(self).schedule.backward_prefetch
 
     @backward_prefetch.setter
     def backward_prefetch(self, value: Optional[BackwardPrefetch]) -> None:
-        state_of(self).backward_prefetch = value
+        state_of(self).schedule.backward_prefetch = value
 
     @property
     def forward_prefetch(self) -> bool:
-        return state_of(self).forward_prefetch
+        return state_of(self).schedule.forward_prefetch
 
     @forward_prefetch.setter
     def forward_prefetch(self, value: bool) -> None:
-        state_of(self).forward_prefetch = value
+        state_of(self).schedule.forward_prefetch = value
 
     # ------------------------------------------------------------------------------ module protocol
     @property
@@ -423,17 +431,18 @@ class FullyShardedDataParallel(nn.Module, OptimStateDictAPI):
             )
         units = this.root_state.units
         for unit in units:
-            if unit.sharding_strategy in HYBRID_STRATEGIES:
+            strategy = cast(FullyShardedDataParallel, unit.owner).sharding_strategy
+            if strategy in HYBRID_STRATEGIES:
                 raise AssertionError(
                     f"fsdp1: communication hooks are not supported for hybrid strategies (unit "
-                    f"'{unit.path}' uses {unit.sharding_strategy}), as in torch's FSDP1."
+                    f"'{unit.path}' uses {strategy}), as in torch's FSDP1."
                 )
-            if unit.handle is not None and unit.handle.grad.comm_hook is not None:
+            if unit.handle is not None and unit.handle.grad.settings.comm_hook is not None:
                 raise AssertionError("A communication hook is already registered; register one hook, once, before training.")
         comm_hook = CommHook(hook, state, comm_hooks.is_low_precision_hook(hook))
         for unit in units:
             if unit.handle is not None:
-                unit.handle.grad.comm_hook = comm_hook
+                unit.handle.grad.settings.comm_hook = comm_hook
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

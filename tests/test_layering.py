@@ -1,78 +1,112 @@
-"""Tests that fsdp1's modules import one way: each only from modules below it in ``LAYERS`` (the
-order DESIGN.md gives), so that no lower layer reaches up for a name and no cycle hides anywhere.
-Imports under ``TYPE_CHECKING`` are annotations only; the few that point upwards are listed here,
-each with what it annotates, so that a new one fails."""
+"""Tests the architecture the folder listing shows: the engine (``fsdp1/_engine``) knows neither API,
+the two fronts (``_wrapper``: FullyShardedDataParallel, ``_fully_shard``: ``fully_shard``) never
+import each other, the state dicts serve both without reaching either, and no module imports
+itself back through a chain, annotations under ``TYPE_CHECKING`` included."""
 
 import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "fsdp1"
 
-# Lowest first; a module may import any module of an earlier layer.
-LAYERS = [
-    ["api"],
-    ["_common", "_shard_math", "_traversal", "_device", "_collectives", "_placeholder", "wrap"],
-    ["_redistribute", "comm_hooks", "sharded_grad_scaler", "checkpoint", "_mixed_precision"],
-    ["_layout"],
-    ["_shard_conversions", "_views"],
-    ["_dtensor_views"],
-    ["_flat_grad"],
-    ["_flat_param"],
-    ["_process_groups", "_unit_plan"],
-    ["_initial_values"],
-    ["_runtime", "_clip_grad"],
-    ["_unit_state"],
-    ["_unshard"],
-    ["_state_dict", "_optim_params"],
-    ["_optim_state_dict"],
-    ["_optim_state_dict_api"],
-    ["fully_sharded_data_parallel", "_fully_shard"],
-    ["_torch_alias"],
-    ["__init__"],
-]
+ENGINE, STATE_DICTS, WRAPPER_FRONT, FULLY_SHARD_FRONT = "_engine", "_state_dict", "_wrapper", "_fully_shard"
 
-# (module, imported): annotations of a class defined above the module that uses it.
-UPWARD_ANNOTATIONS = {
-    ("_clip_grad", "fully_sharded_data_parallel"): "the unit class",
-    ("_runtime", "_unit_state"): "the units' state, which the root's shared state lists",
-    ("_state_dict", "fully_sharded_data_parallel"): "the unit class",
-    ("_optim_state_dict", "fully_sharded_data_parallel"): "the unit class",
-    ("_optim_params", "fully_sharded_data_parallel"): "the unit class, whose parameters the optimizer holds",
+# The public modules at torch's paths; each may import any package.
+PUBLIC = {"__init__", "api", "wrap", "fully_sharded_data_parallel", "checkpoint", "comm_hooks", "sharded_grad_scaler",
+          "_torch_alias"}
+
+# What each package may import besides itself: a package is never allowed a public module but the
+# configuration data of ``api`` and the wrap policies' planner of ``wrap``.
+ALLOWED = {
+    ENGINE: {"api"},
+    STATE_DICTS: {ENGINE, "api"},
+    WRAPPER_FRONT: {ENGINE, STATE_DICTS, "api", "wrap"},
+    FULLY_SHARD_FRONT: {ENGINE, STATE_DICTS, "api"},
 }
+# The public modules that are pure data or planning, below every package.
+BASE = {"api": set(), "wrap": set()}
+
+
+def _module_name(path: Path) -> str:
+    return ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+
+
+def _resolve(own: str, level: int, target: str) -> str:
+    """The dotted name under fsdp1 that a relative import of ``level`` dots from module ``own`` names."""
+    parts = own.split(".")
+    base = parts[: len(parts) - level]
+    if own.endswith("__init__"):
+        base = parts[: len(parts) - level]
+    return ".".join(p for p in [*base, target] if p)
 
 
 def _imports(path: Path):
-    """(imported fsdp1 module, under TYPE_CHECKING) for every relative import in ``path``."""
-    found = []
-
-    def visit(node, annotation_only):
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                visit(child, True)
-                continue
-            if isinstance(child, ast.ImportFrom) and child.level == 1:
-                names = [child.module.split(".")[0]] if child.module else [alias.name for alias in child.names]
-                found.extend((name, annotation_only) for name in names)
-            visit(child, annotation_only)
-
-    visit(ast.parse(path.read_text()), False)
-    return found
-
-
-def test_every_module_is_in_a_layer():
-    placed = [name for layer in LAYERS for name in layer]
-    assert sorted(placed) == sorted(p.stem for p in PACKAGE.glob("*.py"))
-    assert len(placed) == len(set(placed))
+    """Every fsdp1 module imported by ``path`` (relative imports; a ``from pkg import mod`` names
+    the module), annotations under ``TYPE_CHECKING`` included."""
+    own = _module_name(path)
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level > 0:
+            package = _resolve(own, node.level, node.module or "")
+            for alias in node.names:
+                candidate = f"{package}.{alias.name}" if package else alias.name
+                found.add(candidate if candidate in _all_modules() else package)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fsdp1"):
+            found.add(node.module.removeprefix("fsdp1").lstrip("."))
+    found.discard("")
+    return {name.removesuffix(".__init__") for name in found}
 
 
-def test_modules_import_only_from_lower_layers():
-    rank = {name: index for index, layer in enumerate(LAYERS) for name in layer}
-    upward = []
-    for path in PACKAGE.glob("*.py"):
-        for imported, annotation_only in _imports(path):
-            if rank[imported] < rank[path.stem]:
-                continue
-            if annotation_only and (path.stem, imported) in UPWARD_ANNOTATIONS:
-                continue
-            upward.append(f"{path.stem} imports {imported}" + (" (under TYPE_CHECKING)" if annotation_only else ""))
-    assert upward == []
+def _all_modules():
+    names = set()
+    for path in PACKAGE.rglob("*.py"):
+        name = _module_name(path)
+        names.add(name.removesuffix(".__init__"))
+    return names
+
+
+def _graph():
+    return {_module_name(path).removesuffix(".__init__"): _imports(path) for path in PACKAGE.rglob("*.py")}
+
+
+def _area(module: str) -> str:
+    """The package a module belongs to, or the public module's own name."""
+    return module.split(".")[0]
+
+
+def test_every_module_is_public_or_in_a_package():
+    loose = sorted(name for name in _graph() if "." not in name and name not in PUBLIC and name not in ALLOWED)
+    assert loose == []
+
+
+def test_packages_import_only_what_their_rule_allows():
+    broken = []
+    for module, imported in _graph().items():
+        area = _area(module)
+        if area not in ALLOWED and area not in BASE:
+            continue
+        allowed = ALLOWED.get(area, BASE.get(area, set())) | {area}
+        broken.extend(f"{module} imports {name}" for name in sorted(imported) if _area(name) not in allowed)
+    assert broken == []
+
+
+def test_no_import_cycle():
+    graph = _graph()
+    cycles = []
+    visiting, done = [], set()
+
+    def visit(module):
+        if module in done:
+            return
+        if module in visiting:
+            cycles.append(" -> ".join(visiting[visiting.index(module):] + [module]))
+            return
+        visiting.append(module)
+        for name in sorted(graph.get(module, ())):
+            if name in graph:
+                visit(name)
+        visiting.pop()
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module)
+    assert cycles == []

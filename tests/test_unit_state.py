@@ -7,11 +7,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp1._engine.collectives import ProcessGroups
 from fsdp1._engine.flat_param import FlatParamHandle
+from fsdp1._engine.layout import FlatShardLayout
 from fsdp1._engine.mixed_precision import HandlePrecision
+from fsdp1._engine.schedule import UnitSchedule
 from fsdp1._engine.traversal import iter_param_slots
 from fsdp1._engine.unit_state import UnitState
-from fsdp1.api import BackwardPrefetch, ShardingStrategy
+from fsdp1._engine.views import OrigParamViews
 
 from _harness import run_on_ranks
 from _models import batch, lm_loss, make_gpt, train, wrap_torch_fsdp
@@ -21,11 +24,10 @@ def _own_unit_state(module: nn.Module) -> None:
     """``module`` becomes a unit in place: its parameters (minus nested units') flattened and sharded,
     its forward hooked, with no wrapper module around it."""
     group = dist.group.WORLD
-    slots = list(iter_param_slots(module))
-    handle = FlatParamHandle(slots, module, group, None, is_sharded=True, use_orig_params=True,
-                             precision=HandlePrecision.of(None, torch.float32))
-    UnitState(module, module, handle, group, ShardingStrategy.FULL_SHARD, None, BackwardPrefetch.BACKWARD_PRE,
-              False, torch.device("cpu"), ())
+    views = OrigParamViews(list(iter_param_slots(module)), module)
+    layout = FlatShardLayout(views.shapes, views.aligned_numel(torch.float32), dist.get_rank(), dist.get_world_size(), is_sharded=True)
+    handle = FlatParamHandle(views, layout, ProcessGroups(group, None), HandlePrecision.of(None, torch.float32))
+    UnitState(module, module, handle, group, UnitSchedule(reshard_after_forward=None), None, torch.device("cpu"), ())
 
 
 def _train_with_unit_states_and_torch_fsdp1():

@@ -16,6 +16,7 @@ import time
 import weakref
 import zlib
 from collections import deque
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Deque, List, NamedTuple, Optional, Protocol, Tuple
 
@@ -25,6 +26,15 @@ from torch.distributed.device_mesh import DeviceMesh  # noqa: F401 (re-exported:
 
 ProcessGroup = dist.ProcessGroup
 Work = dist.Work
+
+
+@dataclass(frozen=True)
+class ProcessGroups:
+    """The groups a unit communicates over: it shards over ``shard`` and, under a hybrid strategy,
+    all-reduces its sharded gradient over ``replicate`` (None when there is no replica to sync)."""
+
+    shard: ProcessGroup
+    replicate: Optional[ProcessGroup]
 
 
 class Waitable(Protocol):

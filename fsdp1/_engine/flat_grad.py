@@ -80,6 +80,23 @@ class GradReduction:
         self.grad.add_reduced(self.reduced)
 
 
+@dataclass
+class ReduceSettings:
+    """How a unit's gradient is reduced, as its front configures it. The front keeps this object and
+    its setters change it (``register_comm_hook``, ``set_gradient_divide_factor``,
+    ``set_requires_all_reduce``, ``set_all_reduce_hook``); the gradient only reads it."""
+
+    divide_factor: Optional[float] = None
+    """Divide the summed gradient by this, once after the reduction; None: the mean over the ranks,
+    divided partly before the reduction and partly after (torch's FSDP1, which keeps fp16 in range)."""
+    comm_hook: Optional[CommHook] = None
+    """``register_comm_hook``'s, replacing the reduction."""
+    all_reduces_replicas: bool = True
+    """Hybrid: False leaves the all-reduce over the replicas to a later backward, which adds the kept sums first."""
+    after_reduce: Optional[Callable[[torch.Tensor], None]] = None
+    """Called with the reduced shard, after the all-reduce over the replicas (``set_all_reduce_hook``)."""
+
+
 class FlatGrad:
     """The gradient of one handle's flat parameter.
 
@@ -91,24 +108,21 @@ class FlatGrad:
     """
 
     def __init__(self, flat_param: torch.nn.Parameter, layout: ParamLayout, views: ParamViews,
-                 group: comm.ProcessGroup, replicate_group: Optional[comm.ProcessGroup],
-                 precision: HandlePrecision, in_full_precision: Callable[[], bool],
-                 compute_device: torch.device, offloaded: bool) -> None:
+                 groups: comm.ProcessGroups, precision: HandlePrecision, settings: ReduceSettings,
+                 in_full_precision: Callable[[], bool], compute_device: torch.device, offloaded: bool) -> None:
         self._flat_param = flat_param
         self._layout = layout
         self._views = views
-        self._group = group
-        self._replicate_group = replicate_group
+        self._group = groups.shard
+        self._replicate_group = replicate_group = groups.replicate
+        self.settings = settings
         self.precision = precision
         self._in_full_precision = in_full_precision  # evaluation in full precision right now
         self.compute_device = compute_device
         self._offloaded = offloaded
         self.path = ""  # the unit's clean path, for messages
         replicas = comm.group_size(replicate_group) if replicate_group is not None else 1
-        self._pre_divide, self._post_divide = gradient_divide_factors(layout.world_size * replicas)
-        self.comm_hook: Optional[CommHook] = None  # register_comm_hook's, replacing the reduction
-        self.reduced_hook: Optional[Callable[[torch.Tensor], None]] = None  # fully_shard's all-reduce hook
-        self.requires_all_reduce = True  # hybrid: False leaves the replicas' all-reduce for a later backward
+        self._mean_divide_factors = gradient_divide_factors(layout.world_size * replicas)
         self._unreplicated: Optional[torch.Tensor] = None  # reductions the replicas have not summed yet
         self.phase = GradPhase.SHARDED
         self.span = self._trainable_span()
@@ -122,9 +136,11 @@ class FlatGrad:
         """The handle's flat parameter is a new object (converted off the meta device)."""
         self._flat_param = flat_param
 
-    def set_divide_factor(self, factor: float) -> None:
-        """Divide the summed gradient by ``factor``, once after the reduction, instead of averaging."""
-        self._pre_divide, self._post_divide = 1.0, factor
+    @property
+    def _divide_factors(self) -> Tuple[float, float]:
+        """What the gradient is divided by before the reduction and after it."""
+        factor = self.settings.divide_factor
+        return self._mean_divide_factors if factor is None else (1.0, factor)
 
     def _move(self, phase: GradPhase) -> None:
         if phase is not self.phase and phase not in _MOVES[self.phase]:
@@ -285,7 +301,7 @@ class FlatGrad:
         self._flat_param.grad = None
         if self._unreduced_sum is not None:
             grad, self._unreduced_sum = self._unreduced_sum.add_(grad), None
-        hook = self.comm_hook
+        hook = self.settings.comm_hook
         casts_itself = hook is not None and hook.casts_itself
         if grad.dtype != self.precision.reduce_dtype and not self._in_full_precision() and not casts_itself:
             grad = grad.to(self.precision.reduce_dtype)
@@ -300,8 +316,9 @@ class FlatGrad:
         reduced = grad.new_empty(self._layout.shard_numel) if sharded else grad
         if hook is not None:
             return GradReduction(self, hook.reduce(grad, reduced if sharded else None), grad, reduced)
-        if self._pre_divide > 1:
-            grad.div_(self._pre_divide)
+        pre_divide = self._divide_factors[0]
+        if pre_divide > 1:
+            grad.div_(pre_divide)
         if sharded:
             work: comm.Waitable = comm.reduce_scatter_into(reduced, grad, self._group, self.path)
         else:
@@ -311,23 +328,24 @@ class FlatGrad:
     def add_reduced(self, reduced: torch.Tensor) -> None:
         """A reduction finished: all-reduce it over the replicas (hybrid strategies), keep the span,
         divide, cast and (offloaded) copy it to the CPU, and add it to this backward's gradient.
-        Without ``requires_all_reduce`` a hybrid unit keeps the sum over its shard group apart, and
+        Without ``all_reduces_replicas`` a hybrid unit keeps the sum over its shard group apart, and
         the next backward that all-reduces adds it in first (the gradient is unchanged until then)."""
         if self._replicate_group is not None:
             if self._unreplicated is not None:
                 reduced += self._unreplicated
                 self._unreplicated = None
-            if not self.requires_all_reduce:
+            if not self.settings.all_reduces_replicas:
                 self._unreplicated = reduced
                 return
             comm.all_reduce(reduced, self._replicate_group, self.path).wait()
         if not self._span_is_whole_shard():  # frozen parameters keep no gradient
             lo, hi = self.span
             reduced = reduced[lo:hi].clone()
-        if self._post_divide != 1 and self.comm_hook is None:  # a hook divides as it sees fit
-            reduced.div_(self._post_divide)
-        if self.reduced_hook is not None:
-            self.reduced_hook(reduced)
+        post_divide = self._divide_factors[1]
+        if post_divide != 1 and self.settings.comm_hook is None:  # a hook divides as it sees fit
+            reduced.div_(post_divide)
+        if self.settings.after_reduce is not None:
+            self.settings.after_reduce(reduced)
         if not (self._keeps_low_precision and not self._layout.is_sharded):  # NO_SHARD keeps it as reduced, as torch's
             reduced = reduced.to(self.precision.orig_dtype)
         if self._offloaded:

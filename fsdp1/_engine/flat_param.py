@@ -20,19 +20,19 @@ original names), the gradient (``_flat_grad``) and the state-dict conversions
 
 import contextlib
 from enum import Enum, auto
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from .._fully_shard.dtensor_views import DTensorParamViews, PostForwardRows, RowSharding
 from . import collectives as comm
-from .flat_grad import FlatGrad, to_host
-from .layout import FlatShardLayout, ParamLayout, RowShardLayout, alloc_storage, free_storage
+from .collectives import ProcessGroups
+from .flat_grad import FlatGrad, ReduceSettings, to_host
+from .layout import ParamLayout, alloc_storage, free_storage
 from .mixed_precision import HandlePrecision
 from .shard_conversions import ShardConversions
 from .traversal import ParamSlot
-from .views import FLAT_PARAM, FLATTENED, make_views
+from .views import FLAT_PARAM, FLATTENED, ParamViews
 
 
 class _FlatParameterMeta(type(nn.Parameter)):  # type: ignore[misc]  # a metaclass derived from a dynamic type
@@ -72,24 +72,47 @@ class HandleState(Enum):
     """Where the flat parameter's data lives."""
 
     SHARDED = auto()
+    SHARDED_POST_FORWARD = auto()
+    """Between a forward and its backward, this rank keeps its rows over a smaller group than the
+    unit shards over (``RowsAfterForward``), which backward gathers from; otherwise as SHARDED."""
     UNSHARDING = auto()
     UNSHARDED = auto()
+
+
+RESTING = (HandleState.SHARDED, HandleState.SHARDED_POST_FORWARD)
+
+
+class RowsAfterForward(Protocol):
+    """What a unit keeps between its forward and its backward instead of resharding fully (torch's
+    FSDP2 ``reshard_after_forward=k``): its rows over a smaller group, which backward gathers from.
+    The front that offers it implements it; the handle only moves through its states."""
+
+    def keep(self, unsharded: torch.Tensor) -> List[nn.Parameter]:
+        """Keep this rank's part of the gathered ``unsharded`` buffer; what the module shows meanwhile."""
+
+    def gather_into(self, unsharded: torch.Tensor, path: str) -> None:
+        """Fill ``unsharded`` (freed) from the kept parts, and drop them."""
+
+    def drop(self) -> None:
+        """Drop the kept parts."""
 
 
 class FlatParamHandle:
     """Flattens, shards, unshards and reshards one unit's parameters.
 
-    ``owner`` is the unit's module, which holds the FlatParameter when it is registered. ``group`` is
-    the group the unit shards over; ``replicate_group`` (hybrid strategies) holds the ranks with the
-    same shard, over which the reduced gradient is then all-reduced.
+    The front that builds the unit hands in its parts, made for its API: the ``views`` (what the
+    modules hold under the original names; they know the unit's owner module, which holds the
+    FlatParameter when it is registered), the ``layout`` (where each parameter lies in the shard and
+    the unsharded buffer) and the ``groups``: the unit shards over ``groups.shard`` and, under a
+    hybrid strategy, all-reduces its reduced gradient over ``groups.replicate``. The handle never
+    asks which API built it.
 
     ``precision`` says which dtype the unit gathers and computes in, reduces its gradient in and
     hands the optimizer; only the gathered copy and the gradient in flight are in low precision.
     With ``offload_params`` the shard and its gradient live on the CPU, where the optimizer steps
     them, and each gather copies the shard to the compute device first (a no-op when that is the CPU).
-
-    ``row_sharding`` (``fully_shard``) shards every parameter along its rows and shows it as a DTensor
-    on that mesh (``RowShardLayout``, ``DTensorParamViews``) instead of FSDP1's flat shard.
+    ``reduce_settings`` (kept by the front, which its setters change) say how the gradient is
+    reduced; ``rows_after_forward`` what the unit keeps between forward and backward, if anything.
 
     ``materialize_in_place`` is given for a unit whose parameters are still on the meta device: the
     handle gives them storage inside the unsharded flat buffer on ``device`` and calls it with the
@@ -99,30 +122,21 @@ class FlatParamHandle:
 
     def __init__(
         self,
-        slots: Sequence[ParamSlot],
-        owner: nn.Module,
-        group: comm.ProcessGroup,
-        replicate_group: Optional[comm.ProcessGroup],
-        is_sharded: bool,
-        use_orig_params: bool,
+        views: ParamViews,
+        layout: ParamLayout,
+        groups: ProcessGroups,
         precision: HandlePrecision,
         offload_params: bool = False,
+        reduce_settings: Optional[ReduceSettings] = None,
+        rows_after_forward: Optional[RowsAfterForward] = None,
         materialize_in_place: Optional[Callable[[Sequence[ParamSlot]], None]] = None,
         device: Optional[torch.device] = None,
-        row_sharding: Optional[RowSharding] = None,
     ) -> None:
-        self.group = group
-        self.replicate_group = replicate_group
-        self.use_orig_params = use_orig_params
-        self._owner = owner
-        self.layout: ParamLayout
-        if row_sharding is None:  # FSDP1's flat parameter
-            self.views = make_views(slots, owner, use_orig_params)
-            self.layout = FlatShardLayout(self.views.shapes, self.views.aligned_numel(precision.param_dtype),
-                                          comm.group_rank(group), comm.group_size(group), is_sharded)
-        else:  # fully_shard's DTensor parameters
-            self.views = DTensorParamViews(slots, owner, row_sharding)
-            self.layout = RowShardLayout(self.views.shapes, comm.group_rank(group), comm.group_size(group))
+        self.group = groups.shard
+        self.replicate_group = groups.replicate
+        self.views = views
+        self.layout = layout
+        self._owner = views.owner
         if materialize_in_place is not None:
             assert device is not None, "materializing in place needs the device to materialize on"
             unsharded = self.layout.new_unsharded(self.views.orig_params()[0].dtype, device)
@@ -132,7 +146,7 @@ class FlatParamHandle:
             unsharded = self.layout.flatten(self.views.orig_params())
         self.compute_device = unsharded.device
         self._offloaded = offload_params and self.compute_device.type not in ("cpu", "meta")
-        self._local_shard = self.layout.shard_of(unsharded).clone() if is_sharded else unsharded
+        self._local_shard = self.layout.shard_of(unsharded).clone() if self.is_sharded else unsharded
         if self._offloaded:
             self._local_shard = to_host(self._local_shard)
         self.flat_param = FlatParameter(self._local_shard, requires_grad=any(self.views.requires_grad))
@@ -144,14 +158,15 @@ class FlatParamHandle:
         self._low_precision_buffer = self._make_low_precision_buffer()
         self._unsharded_buffer = unsharded  # the one the current gather filled
         self.views.install_initial(self.flat_param, self._local_shard, unsharded, self.layout)
-        self.grad = FlatGrad(self.flat_param, self.layout, self.views, group, replicate_group, precision,
-                             lambda: self.forces_full_precision, self.compute_device, self._offloaded)
-        self.conversions = ShardConversions(self, self.layout, group)
+        self.grad = FlatGrad(self.flat_param, self.layout, self.views, groups, precision,
+                             reduce_settings or ReduceSettings(), lambda: self.forces_full_precision,
+                             self.compute_device, self._offloaded)
+        self.conversions = ShardConversions(self, self.layout, self.group)
         self.state = HandleState.UNSHARDED
         if self._needs_unshard:
             self._free_unsharded()
         self._gather_work: Optional[comm.Waitable] = None
-        self.post_forward_rows: Optional[PostForwardRows] = None  # fully_shard(reshard_after_forward=k)
+        self._rows_after_forward = rows_after_forward
         self._forward_views: List[torch.Tensor] = []  # the last forward's, tied to autograd
 
     # ----------------------------------------------------------------------------- construction and queries
@@ -169,6 +184,12 @@ class FlatParamHandle:
     @property
     def is_sharded(self) -> bool:
         return self.layout.is_sharded
+
+    @property
+    def use_orig_params(self) -> bool:
+        """Whether the modules hold the original parameters at rest (what the state-dict and
+        optimizer-state forms depend on)."""
+        return self.views.use_orig_params
 
     @property
     def precision(self) -> HandlePrecision:
@@ -229,7 +250,7 @@ class FlatParamHandle:
 
     def set_path(self, path: str) -> None:
         """The unit's clean path from its root, so that errors name parameters as the user's model does."""
-        self.views.set_path(path, self.layout, self.state is HandleState.SHARDED)
+        self.views.set_path(path, self.layout, self.state in RESTING)
         self.grad.path = path
 
     @property
@@ -239,7 +260,7 @@ class FlatParamHandle:
     @property
     def holds_gathered_copy(self) -> bool:
         """Unsharded into a buffer apart from the shard (kept for a backward, or inside no_sync)."""
-        return self.state is not HandleState.SHARDED and self._needs_unshard
+        return self.state not in RESTING and self._needs_unshard
 
     def write_back_orig_params(self, is_gathered_for_backward: bool = False) -> None:
         """Take into the shard what the user assigned to an original parameter at rest
@@ -259,18 +280,18 @@ class FlatParamHandle:
         target = self._full_precision_buffer
         if self._low_precision_buffer is not None and not full_precision:
             target = self._low_precision_buffer
+        if self.state is HandleState.SHARDED_POST_FORWARD:
+            if target is self._low_precision_buffer or not self._precision.gathers_low_precision:
+                assert self._rows_after_forward is not None, "kept rows exist only where they are offered"
+                self._rows_after_forward.gather_into(target, self.path)  # the backward after its forward
+                self._unsharded_buffer = target
+                self.state = HandleState.UNSHARDED
+                return
+            self.reshard()
         if self.state is not HandleState.SHARDED:
             if self._unsharded_buffer is target:
                 return
             self.reshard()
-        rows = self.post_forward_rows
-        if rows is not None and rows.holds:
-            if target is self._low_precision_buffer or not self._precision.gathers_low_precision:
-                rows.gather_into(target, self.path)  # backward after reshard_after_forward=k
-                self._unsharded_buffer = target
-                self.state = HandleState.UNSHARDED
-                return
-            rows.drop()
         self._unsharded_buffer = target
         if target is self._local_shard:  # not sharded, full precision: the shard is the parameter
             self.state = HandleState.UNSHARDED
@@ -339,22 +360,31 @@ class FlatParamHandle:
             self.flat_param.data = self._local_shard
 
     def reshard_after_forward(self) -> None:
-        """The end of a forward that frees the unit: with ``post_forward_rows`` this rank keeps its
-        rows over their smaller group, which the module shows until backward gathers from them."""
-        rows = self.post_forward_rows
+        """The end of a forward that frees the unit: with ``rows_after_forward`` this rank keeps its
+        rows over their smaller group (SHARDED_POST_FORWARD), which the module shows until backward
+        gathers from them."""
+        rows = self._rows_after_forward
         if rows is None or self.state is not HandleState.UNSHARDED or self._unsharded_buffer is self._local_shard:
             self.reshard()
             return
         shown = rows.keep(self._unsharded_buffer)
-        self.reshard(keep_post_forward_rows=True)
+        self.reshard()
+        self.state = HandleState.SHARDED_POST_FORWARD
         self.views.install(shown, as_parameters=True)
 
-    def reshard(self, keep_post_forward_rows: bool = False) -> None:
+    def set_rows_after_forward(self, rows: Optional[RowsAfterForward]) -> None:
+        """What the unit keeps between forward and backward from now on (any rows kept go)."""
+        self.reshard()
+        self._rows_after_forward = rows
+
+    def reshard(self) -> None:
         """Point everything back at the local shard and free the unsharded storage (no-op when sharded:
         the end-of-backward catch-all calls it for every unit). A prefetched all-gather that nobody
         waited for is finished first, so the collective never writes into freed storage."""
-        if self.post_forward_rows is not None and not keep_post_forward_rows and self.post_forward_rows.holds:
-            self.post_forward_rows.drop()
+        if self.state is HandleState.SHARDED_POST_FORWARD:
+            assert self._rows_after_forward is not None, "kept rows exist only where they are offered"
+            self._rows_after_forward.drop()
+            self.state = HandleState.SHARDED
             self.views.show_sharded(self._local_shard, self.layout)
         if self.state is HandleState.SHARDED:
             return
@@ -463,7 +493,7 @@ class FlatParamHandle:
         parameters of a model loaded in bf16 to fp32 before building its optimizer, as torch's FSDP1
         lets it): the new tensor becomes the shard and everything derived from it follows. One
         pointer comparison when nothing was replaced."""
-        if self.state is HandleState.SHARDED or not self._needs_unshard:
+        if self.state in RESTING or not self._needs_unshard:
             flat, shard = self.flat_param, self._local_shard
             if flat.data_ptr() != shard.data_ptr() or flat.dtype != shard.dtype or flat.shape != shard.shape:
                 self.adopt_converted_flat_param()

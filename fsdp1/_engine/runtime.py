@@ -19,7 +19,7 @@ import functools
 import sys
 import weakref
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, TypeVar
+from typing import Any, Callable, Deque, Dict, Generic, List, Optional, Protocol, TypeVar
 
 import torch
 from torch.autograd import Variable
@@ -28,14 +28,30 @@ from torch.autograd.profiler import record_function
 from . import collectives as comm
 from .common import TrainingState
 from .flat_grad import GradReduction
-from .mixed_precision import BufferPrecision
+from .flat_param import FlatParamHandle
+from .mixed_precision import BufferPrecision, UnitBuffers
 from .traversal import unit_paths
 
-if TYPE_CHECKING:
-    from .unit_state import UnitState
-
-
 _Fn = TypeVar("_Fn", bound=Callable[..., Any])
+
+
+class Unit(UnitBuffers, Protocol):
+    """What a root's shared state needs of each of its units (``UnitState`` is the one kind)."""
+
+    handle: Optional[FlatParamHandle]
+    process_group: comm.ProcessGroup
+    world_size: int
+    training_state: TrainingState
+    awaits_reduction: bool
+
+    def reduce_and_reshard(self) -> None: ...
+
+    def finish_backward(self) -> None: ...
+
+    def reset(self) -> None: ...
+
+
+U = TypeVar("U", bound=Unit)
 
 
 def eager_only(fn: _Fn) -> _Fn:
@@ -84,7 +100,7 @@ def inside_backward() -> bool:
     return current_graph_task() != -1
 
 
-class ExecutionOrder:
+class ExecutionOrder(Generic[U]):
     """The order units ran forward, from which the next unit to prefetch is read.
 
     The post-forward order is recorded afresh every forward, so backward prefetching follows the graph
@@ -94,22 +110,22 @@ class ExecutionOrder:
     """
 
     def __init__(self) -> None:
-        self._post_forward: List["UnitState"] = []
-        self._post_forward_index: Dict["UnitState", int] = {}
-        self._pre_forward: List["UnitState"] = []
-        self._pre_forward_index: Dict["UnitState", int] = {}
+        self._post_forward: List[U] = []
+        self._post_forward_index: Dict[U, int] = {}
+        self._pre_forward: List[U] = []
+        self._pre_forward_index: Dict[U, int] = {}
         self._pre_forward_is_fixed = False
 
     def start_forward(self) -> None:
         self._post_forward.clear()
         self._post_forward_index.clear()
 
-    def record_pre_forward(self, unit: "UnitState") -> None:
+    def record_pre_forward(self, unit: U) -> None:
         if not self._pre_forward_is_fixed and unit not in self._pre_forward_index:
             self._pre_forward_index[unit] = len(self._pre_forward)
             self._pre_forward.append(unit)
 
-    def record_post_forward(self, unit: "UnitState") -> None:
+    def record_post_forward(self, unit: U) -> None:
         if unit not in self._post_forward_index:
             self._post_forward_index[unit] = len(self._post_forward)
             self._post_forward.append(unit)
@@ -121,7 +137,7 @@ class ExecutionOrder:
     def is_fixed(self) -> bool:
         return self._pre_forward_is_fixed
 
-    def check_same_on_every_rank(self, paths: Dict["UnitState", str], group: Any) -> None:
+    def check_same_on_every_rank(self, paths: Dict[U, str], group: Any) -> None:
         """The first iteration's order, compared across the ranks once: ranks that run units in
         different orders pair different units' shards in every all-gather, which with equal shapes
         trains silently wrong; this names the first difference on every rank instead."""
@@ -140,11 +156,11 @@ class ExecutionOrder:
             "the same units in the same order: no rank-dependent branches around FSDP units."
         )
 
-    def next_in_backward(self, unit: "UnitState") -> Optional["UnitState"]:
+    def next_in_backward(self, unit: U) -> Optional[U]:
         index = self._post_forward_index.get(unit)
         return self._post_forward[index - 1] if index else None
 
-    def next_in_forward(self, unit: "UnitState") -> Optional["UnitState"]:
+    def next_in_forward(self, unit: U) -> Optional[U]:
         index = self._pre_forward_index.get(unit)
         if index is None or index + 1 >= len(self._pre_forward):
             return None
@@ -154,7 +170,7 @@ class ExecutionOrder:
 _AT_REST = (TrainingState.IDLE, TrainingState.SUMMON_FULL_PARAMS)  # no forward or backward under way
 
 
-class RootState:
+class RootState(Generic[U]):
     """Runtime shared by a root and its units: the unit list, the final callback, reductions in flight.
 
     At most ``MAX_REDUCTIONS_IN_FLIGHT`` gradient reductions are outstanding. Under a sharded
@@ -166,14 +182,14 @@ class RootState:
 
     MAX_REDUCTIONS_IN_FLIGHT = 2
 
-    def __init__(self, root: "UnitState", state_of: Callable[[torch.nn.Module], "UnitState"]) -> None:
-        self.unit_paths: Dict["UnitState", str] = {state_of(module): path for module, path in unit_paths(root.owner).items()}
-        self.units: List["UnitState"] = list(self.unit_paths)  # the root first, in ``modules()`` order
+    def __init__(self, root: U, state_of: Callable[[torch.nn.Module], U]) -> None:
+        self.unit_paths: Dict[U, str] = {state_of(module): path for module, path in unit_paths(root.owner).items()}
+        self.units: List[U] = list(self.unit_paths)  # the root first, in ``modules()`` order
         self.root = root
         self.is_final_callback_queued = False
         self.is_unchecked_after_abort = False
         self.process_group = root.process_group
-        self.order = ExecutionOrder()
+        self.order: ExecutionOrder[U] = ExecutionOrder()
         self.buffers = BufferPrecision(self.units)
         self._reductions: Deque[GradReduction] = deque()
 
@@ -201,7 +217,7 @@ class RootState:
                 managed.update(id(p) for p in (unit.handle.views.orig_params() if unit.handle.use_orig_params else ()))
         return [p for p in self.root.owner.parameters() if id(p) not in managed]
 
-    def path_of(self, unit: "UnitState") -> str:
+    def path_of(self, unit: U) -> str:
         return self.unit_paths.get(unit, "?")
 
     def is_clean(self) -> bool:

@@ -12,40 +12,22 @@ The hooks run eagerly under ``torch.compile``: dynamo breaks the graph at each o
 the module bodies between (``eager_only``).
 """
 
-from dataclasses import dataclass
 from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
-from ..api import BackwardPrefetch, MixedPrecision, ShardingStrategy
+from ..api import MixedPrecision
 from . import collectives as comm
-from .common import RESHARD_AFTER_FORWARD, TrainingState
+from .common import TrainingState
 from .device import move_to_device
-from .flat_param import FlatParamHandle, HandleState
+from .flat_param import RESTING, FlatParamHandle
 from .mixed_precision import cast_floating_tensors
 from .runtime import RootState, WeakPartial, current_graph_task, eager_only, inside_backward
+from .schedule import UnitSchedule
 from .traversal import FSDP_STATE, fsdp_units, iter_tensors, iter_unit_submodules
 from .views import FLAT_PARAM
-
-
-@dataclass
-class UnitSchedule:
-    """When a unit reshards and which units it prefetches. FSDP1 derives it from the strategy and
-    the prefetch arguments; ``fully_shard`` and ``FSDPModule``'s setters set it per module."""
-
-    reshard_after_forward: Optional[bool]
-    """None: every unit but the root (FSDP1's FULL_SHARD, FSDP2's default). After a forward without
-    grad every unit reshards whatever this says: no backward will come, and a unit kept gathered
-    would show its unsharded parameters to an optimizer or ``clip_grad_norm_`` built on
-    ``parameters()`` then (torch's FSDP2 keeps the root gathered, and trains it silently wrong so)."""
-    reshard_after_backward: Optional[bool] = None
-    """None: unless ``no_sync`` keeps a SHARD_GRAD_OP unit gathered for the next micro-batch."""
-    forward_prefetch: Optional[List["UnitState"]] = None
-    """Units whose all-gather starts after this one's, in place of the recorded order."""
-    backward_prefetch: Optional[List["UnitState"]] = None
-    """Units whose backward all-gather starts at this one's, in place of the reverse forward order."""
 
 
 def state_of(module: nn.Module) -> "UnitState":
@@ -57,28 +39,25 @@ class UnitState:
     """The runtime state of one unit, and the hooks that move it through an iteration."""
 
     def __init__(self, owner: nn.Module, hooked: nn.Module, handle: Optional[FlatParamHandle],
-                 process_group: comm.ProcessGroup, sharding_strategy: ShardingStrategy,
-                 mixed_precision: Optional[MixedPrecision], backward_prefetch: Optional[BackwardPrefetch],
-                 forward_prefetch: bool, compute_device: torch.device, ignored_modules: Collection[nn.Module],
-                 also_hooked: Sequence[nn.Module] = ()) -> None:
+                 process_group: comm.ProcessGroup, schedule: "UnitSchedule[UnitState]",
+                 mixed_precision: Optional[MixedPrecision], compute_device: torch.device,
+                 ignored_modules: Collection[nn.Module], also_hooked: Sequence[nn.Module] = (),
+                 output_dtype: Optional[torch.dtype] = None) -> None:
         self.owner = owner
         self.hooked = hooked
         self.also_hooked = tuple(also_hooked)  # more modules of a unit made of several (fully_shard([norm, head]))
         self.handle = handle
         self.process_group = process_group
         self.world_size = comm.group_size(process_group)
-        self.sharding_strategy = sharding_strategy
+        self.schedule = schedule
         self.mixed_precision = mixed_precision
-        self.backward_prefetch = backward_prefetch
-        self.forward_prefetch = forward_prefetch
+        self.output_dtype = output_dtype  # fully_shard's MixedPrecisionPolicy casts outputs to it
         self.compute_device = compute_device
         self.ignored_modules = ignored_modules
-        self.schedule = UnitSchedule(reshard_after_forward=None if sharding_strategy in RESHARD_AFTER_FORWARD else False)
-        self.output_dtype: Optional[torch.dtype] = None  # fully_shard's MixedPrecisionPolicy casts outputs to it
         self.training_state = TrainingState.IDLE
         self.is_root: Optional[bool] = None  # decided lazily, at the first forward
         self.nested_path: Optional[str] = None  # set when a unit is built around this one: the path from it
-        self._root_state: Optional[RootState] = None
+        self._root_state: Optional[RootState[UnitState]] = None
         self.sync_gradients = True
         self.awaits_pre_backward = False  # an output of this forward will call _pre_backward
         self._backward_graph_task = -1  # autograd graph task this unit's backward began in
@@ -93,7 +72,7 @@ class UnitState:
         self._register_forward_hooks()
 
     @property
-    def root_state(self) -> RootState:
+    def root_state(self) -> "RootState[UnitState]":
         """The root's shared state (the first forward, or ``lazy_init``, decides the root)."""
         if self._root_state is None:
             self.lazy_init()
@@ -270,11 +249,8 @@ class UnitState:
             if handle is not None:
                 state.order.record_pre_forward(self)
                 _gather(handle)
-                if self.schedule.forward_prefetch is not None:
-                    for unit in self.schedule.forward_prefetch:
-                        _prefetch(unit)
-                elif self.forward_prefetch:
-                    _prefetch(state.order.next_in_forward(self))
+                for unit in self.schedule.forward_prefetches(self, state.order):
+                    _prefetch(unit)
                 gradient_node = handle.use_unsharded_views()
                 self.register_post_backward_hook()
                 if gradient_node is not None:
@@ -283,7 +259,7 @@ class UnitState:
             return args, kwargs
 
     @staticmethod
-    def _start_iteration(state: RootState) -> None:
+    def _start_iteration(state: "RootState[UnitState]") -> None:
         """The root's forward: recover from an aborted iteration, then bring every unit up to date. A
         unit still gathered by a forward whose backward never came (an eval forward, which fully_shard
         units do not reshard after) may hold values an optimizer step has since changed: gather it
@@ -373,12 +349,7 @@ class UnitState:
         return output if self.output_dtype is None else cast_floating_tensors(self.output_dtype, output)
 
     def _reshards_after_forward(self) -> bool:
-        schedule = self.schedule
-        if not torch.is_grad_enabled():
-            return True
-        if schedule.reshard_after_forward is None:
-            return not self.is_root
-        return schedule.reshard_after_forward
+        return not torch.is_grad_enabled() or self.schedule.reshards_after_forward(bool(self.is_root))
 
     # ----------------------------------------------------------------------------- backward
     def _pre_backward(self, grad: torch.Tensor) -> None:
@@ -402,11 +373,8 @@ class UnitState:
                 handle.write_back_orig_params(is_gathered_for_backward=handle.holds_gathered_copy)
                 _gather(handle)
                 handle.use_forward_views()
-                if self.schedule.backward_prefetch is not None:
-                    for unit in self.schedule.backward_prefetch:
-                        _prefetch_for_backward(unit)
-                elif self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
-                    _prefetch_for_backward(state.order.next_in_backward(self))
+                for unit in self.schedule.backward_prefetches_before(self, state.order):
+                    _prefetch_for_backward(unit)
 
     def _post_backward(self, flat_param: torch.Tensor) -> None:
         """The unit's gradient is complete: start its reduction and reshard.
@@ -444,15 +412,12 @@ class UnitState:
             state.add_reduction(handle.grad.reduce())
         else:
             handle.grad.keep_unreduced()
-        if self.backward_prefetch is BackwardPrefetch.BACKWARD_POST and self.schedule.backward_prefetch is None:
-            _prefetch_for_backward(state.order.next_in_backward(self))
+        for unit in self.schedule.backward_prefetches_after(self, state.order):
+            _prefetch_for_backward(unit)
 
     @property
     def _reshards_after_backward(self) -> bool:
-        """Inside ``no_sync`` SHARD_GRAD_OP keeps parameters unsharded for the next micro-batch."""
-        if self.schedule.reshard_after_backward is not None:
-            return self.schedule.reshard_after_backward
-        return self.sync_gradients or self.sharding_strategy in RESHARD_AFTER_FORWARD + (ShardingStrategy.NO_SHARD,)
+        return self.schedule.reshards_after_backward(self.sync_gradients)
 
     def finish_backward(self) -> None:
         """The root's final callback reached this unit: it is resharded as its strategy asks, its
@@ -461,7 +426,7 @@ class UnitState:
         if handle is not None:
             if self._reshards_after_backward:
                 handle.reshard()
-            elif handle.state is not HandleState.SHARDED:  # kept gathered (no_sync); an unused unit never was
+            elif handle.state not in RESTING:  # kept gathered (no_sync); an unused unit never was
                 handle.use_resting_views()
             handle.grad.finish_backward()
         self.training_state = TrainingState.IDLE
@@ -521,7 +486,7 @@ def _gather(handle: FlatParamHandle) -> None:
     handle.wait_unshard()
 
 
-def _before_unsharded_gradient(state: RootState, unit: UnitState, grad_outputs: Tuple[torch.Tensor, ...]) -> None:
+def _before_unsharded_gradient(state: "RootState[UnitState]", unit: UnitState, grad_outputs: Tuple[torch.Tensor, ...]) -> None:
     """Autograd is about to assemble a unit's unsharded gradient and accumulate it into the flat
     parameter: move the optimizer's gradient aside first, and (sharded) finish the reductions still
     reading earlier units' unsharded gradients so that no two are alive together (the root's
@@ -535,15 +500,15 @@ def _before_unsharded_gradient(state: RootState, unit: UnitState, grad_outputs: 
         state.finish_reductions()
 
 
-def _prefetch(unit: Optional[UnitState]) -> None:
+def _prefetch(unit: UnitState) -> None:
     """Start ``unit``'s all-gather without waiting; its own pre-forward or pre-backward waits."""
-    if unit is not None and unit.handle is not None:
+    if unit.handle is not None:
         unit.handle.unshard()
 
 
-def _prefetch_for_backward(unit: Optional[UnitState]) -> None:
+def _prefetch_for_backward(unit: UnitState) -> None:
     """Prefetch only a unit whose backward is still to come, so that none is gathered twice."""
-    if unit is not None and unit.awaits_pre_backward:
+    if unit.awaits_pre_backward:
         _prefetch(unit)
 
 

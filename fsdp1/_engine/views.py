@@ -45,6 +45,9 @@ class ParamViews(ABC):
     ``owner`` is the module that holds the FlatParameter when it is registered (the unit's module).
     """
 
+    use_orig_params: bool
+    """Whether the modules hold the original Parameters at rest (torch's ``use_orig_params``)."""
+
     def __init__(self, slots: Sequence[ParamSlot], owner: nn.Module) -> None:
         self.slots, self.shared_slots, self.alias_fqns = split_registrations(slots)
         self.owner = owner
@@ -295,6 +298,8 @@ class ParamViews(ABC):
 class OrigParamViews(ParamViews):
     """use_orig_params=True: the original Parameters stay, viewing the shard at rest."""
 
+    use_orig_params = True
+
     as_parameters = True
 
     def __init__(self, slots: Sequence[ParamSlot], owner: nn.Module) -> None:
@@ -459,6 +464,8 @@ class OrigParamViews(ParamViews):
 
 class FlatParamViews(ParamViews):
     """use_orig_params=False: the FlatParameter replaces the originals in ``parameters()``."""
+
+    use_orig_params = False
 
     as_parameters = False
 

@@ -21,22 +21,23 @@ from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem, _
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from .._engine import collectives as comm
+from .._engine.collectives import ProcessGroups
 from .._engine.common import TrainingState
+from .._engine.flat_grad import ReduceSettings
 from .._engine.flat_param import FlatParamHandle, HandleState
 from .._engine.layout import RowShardLayout
 from .._engine.mixed_precision import HandlePrecision
+from .._engine.schedule import UnitSchedule
 from .._engine.traversal import FSDP_STATE, ParamSlot, is_fsdp_unit, iter_outermost_units, iter_param_slots
 from .._engine.unit_state import UnitState, state_of
 from .._engine.unshard import summon_full_params
 from .._engine.views import FLATTENED
 from ..api import (
-    BackwardPrefetch,
     CPUOffloadPolicy,
     DataParallelMeshDims,
     MixedPrecision,
     MixedPrecisionPolicy,
     OffloadPolicy,
-    ShardingStrategy,
 )
 from .dtensor_views import DTensorParamViews, PostForwardRows, RowSharding, viewing
 
@@ -124,7 +125,7 @@ class FSDPModule(nn.Module):
         which adds the kept sums first."""
         for state in _states(self, recurse):
             if state.handle is not None:
-                state.handle.grad.requires_all_reduce = requires_all_reduce
+                state.handle.grad.settings.all_reduces_replicas = requires_all_reduce
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted. torch's FSDP2 skips waiting for its reductions at the end of a backward that is
@@ -135,7 +136,7 @@ class FSDPModule(nn.Module):
         backend); not its sharded submodules', as torch's."""
         handle = _state(self).handle
         if handle is not None:
-            handle.grad.set_divide_factor(factor)
+            handle.grad.settings.divide_factor = factor
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         warnings.warn("set_reduce_scatter_divide_factor is deprecated; use set_gradient_divide_factor", FutureWarning, stacklevel=2)
@@ -151,7 +152,7 @@ class FSDPModule(nn.Module):
         if stream is not None and handle is not None and handle.replicate_group is not None:
             raise ValueError("stream cannot be set when using native HSDP")  # torch's
         if handle is not None:
-            handle.grad.reduced_hook = hook
+            handle.grad.settings.after_reduce = hook
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
         """Accepted: fsdp1 reduces the whole group's gradient, with zeros for unused parameters."""
@@ -174,9 +175,8 @@ class FSDPModule(nn.Module):
             raise ValueError(f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}")  # torch's
         for state in _states(self, recurse):
             state.schedule.reshard_after_forward = reshard_after_forward
-            if state.handle is not None and state.handle.post_forward_rows is not None:
-                state.handle.reshard()  # rows kept by an int reshard_after_forward go with it
-                state.handle.post_forward_rows = None
+            if state.handle is not None:
+                state.handle.set_rows_after_forward(None)  # rows kept by an int reshard_after_forward go with it
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """False keeps the parameters gathered after backward (for the next micro-batch)."""
@@ -185,12 +185,12 @@ class FSDPModule(nn.Module):
 
     def set_modules_to_forward_prefetch(self, modules: List["FSDPModule"]) -> None:
         """Start these modules' all-gathers right after this module's, in forward."""
-        _state(self).schedule.forward_prefetch = [_state(module, "set_modules_to_forward_prefetch") for module in modules]
+        _state(self).schedule.prefetch_in_forward([_state(module, "set_modules_to_forward_prefetch") for module in modules])
 
     def set_modules_to_backward_prefetch(self, modules: List["FSDPModule"]) -> None:
         """Start these modules' all-gathers at this module's backward, in place of the next module
         in reverse forward order."""
-        _state(self).schedule.backward_prefetch = [_state(module, "set_modules_to_backward_prefetch") for module in modules]
+        _state(self).schedule.prefetch_in_backward([_state(module, "set_modules_to_backward_prefetch") for module in modules])
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Accepted. torch's FSDP2 can skip the backward all-gather of a module whose backward does
@@ -310,27 +310,25 @@ def fully_shard(
     if slots:
         precision = HandlePrecision(slots[0].live_param.dtype, policy.param_dtype, policy.reduce_dtype,
                                     accumulates_in_reduce_dtype=True)
-        handle = FlatParamHandle(slots, modules[0], shard_group, replicate_group, is_sharded=True, use_orig_params=True,
-                                 precision=precision, offload_params=isinstance(offload, CPUOffloadPolicy),
-                                 row_sharding=RowSharding(mesh, placements))
-        if precision.reduce_dtype != torch.float16:
-            # torch's FSDP2 averages with ReduceOp.AVG (sum, then divide) outside fp16: one division of
-            # the reduced shard instead of one of the whole gradient before the reduction
-            handle.grad.set_divide_factor(comm.group_size(shard_group) * (comm.group_size(replicate_group) if replicate_group else 1))
-        if rows_group_size:
-            _keep_rows_after_forward(handle, mesh, rows_group_size)
+        views = DTensorParamViews(slots, modules[0], RowSharding(mesh, placements))
+        layout = RowShardLayout(views.shapes, comm.group_rank(shard_group), comm.group_size(shard_group))
+        # torch's FSDP2 averages with ReduceOp.AVG (sum, then divide) outside fp16: one division of the
+        # reduced shard instead of one of the whole gradient before the reduction
+        ranks = comm.group_size(shard_group) * (comm.group_size(replicate_group) if replicate_group else 1)
+        settings = ReduceSettings(divide_factor=ranks if precision.reduce_dtype != torch.float16 else None)
+        rows = _rows_after_forward(layout, mesh, rows_group_size) if rows_group_size else None
+        handle = FlatParamHandle(views, layout, ProcessGroups(shard_group, replicate_group), precision,
+                                 offload_params=isinstance(offload, CPUOffloadPolicy), reduce_settings=settings,
+                                 rows_after_forward=rows)
     compute_device = handle.compute_device if handle is not None else torch.device(mesh.device_type)
     mixed_precision = None
     if policy.param_dtype is not None or policy.reduce_dtype is not None:
         mixed_precision = MixedPrecision(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype,
                                          cast_forward_inputs=policy.cast_forward_inputs,
                                          cast_root_forward_inputs=policy.cast_forward_inputs)
-    strategy = ShardingStrategy.FULL_SHARD if replicate_group is None else ShardingStrategy.HYBRID_SHARD
     replicated = [m for each in modules for m in each.modules() if _is_replicated(m)]
-    state = UnitState(modules[0], modules[0], handle, shard_group, strategy, mixed_precision, BackwardPrefetch.BACKWARD_PRE,
-                      False, compute_device, replicated, also_hooked=modules[1:])
-    state.schedule.reshard_after_forward = after_forward
-    state.output_dtype = policy.output_dtype
+    UnitState(modules[0], modules[0], handle, shard_group, UnitSchedule(after_forward), mixed_precision,
+              compute_device, replicated, also_hooked=modules[1:], output_dtype=policy.output_dtype)
     for each in modules:
         for path, inner in iter_outermost_units(each):
             inner_state = state_of(inner)
@@ -345,13 +343,11 @@ def fully_shard(
     return modules if isinstance(module, list) else module
 
 
-def _keep_rows_after_forward(handle: FlatParamHandle, mesh: comm.DeviceMesh, group_size: int) -> None:
+def _rows_after_forward(layout: RowShardLayout, mesh: comm.DeviceMesh, group_size: int) -> PostForwardRows:
     """After forward, keep each rank's rows over consecutive runs of ``group_size`` ranks, shown as
     torch's are: ``(Replicate(), Shard(0))`` on a ``(world / group_size, group_size)`` mesh."""
-    assert isinstance(handle.layout, RowShardLayout), "fully_shard's handle"
     regrouped = comm.regrouped_mesh(mesh, group_size)
-    handle.post_forward_rows = PostForwardRows(handle.layout, comm.mesh_groups(regrouped)[1],
-                                               RowSharding(regrouped, (Replicate(), Shard(0))))
+    return PostForwardRows(layout, comm.mesh_groups(regrouped)[1], RowSharding(regrouped, (Replicate(), Shard(0))))
 
 
 def _check_module(module: nn.Module) -> None:

@@ -3,23 +3,20 @@ group, a device mesh, or for the hybrid strategies a shard and a replicate group
 none is given) and the sharding strategy that results.
 """
 
-import dataclasses
 import os
 import warnings
 from typing import Any, Optional, Tuple
 
 from .._engine import collectives as comm
-from .._engine.common import HYBRID_STRATEGIES
-from ..api import ShardingStrategy, coerce_enum
+from .._engine.collectives import ProcessGroups
+from .._engine.schedule import UnitSchedule
+from .._engine.unit_state import UnitState
+from ..api import BackwardPrefetch, ShardingStrategy, coerce_enum
 
-
-@dataclasses.dataclass(frozen=True)
-class ProcessGroups:
-    """The groups a unit communicates over: it shards over ``shard`` and, under a hybrid strategy,
-    all-reduces its sharded gradient over ``replicate`` (None when there is no replica to sync)."""
-
-    shard: comm.ProcessGroup
-    replicate: Optional[comm.ProcessGroup]
+HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+SHARDED_STRATEGIES = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP) + HYBRID_STRATEGIES
+# Strategies that free the unsharded parameters after forward; the others keep them for backward.
+RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
 
 
 def resolve_process_groups(process_group: Any, device_mesh: Any, strategy: ShardingStrategy) -> ProcessGroups:
@@ -125,3 +122,15 @@ def resolve_sharding_strategy(strategy: ShardingStrategy, groups: ProcessGroups)
         )
     return strategy
 
+
+
+def unit_schedule(strategy: ShardingStrategy, backward_prefetch: Optional[BackwardPrefetch],
+                  forward_prefetch: bool) -> "UnitSchedule[UnitState]":
+    """What FSDP1's strategy and prefetch arguments mean for when a unit reshards and prefetches:
+    FULL_SHARD and HYBRID_SHARD units (but the root) reshard after forward; SHARD_GRAD_OP and
+    _HYBRID_SHARD_ZERO2 keep their parameters gathered inside ``no_sync``."""
+    return UnitSchedule(
+        reshard_after_forward=None if strategy in RESHARD_AFTER_FORWARD else False,
+        keeps_gathered_without_sync=strategy in (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy._HYBRID_SHARD_ZERO2),
+        backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch,
+    )
