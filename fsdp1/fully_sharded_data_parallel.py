@@ -8,7 +8,7 @@ a script written for torch's FSDP1 runs after swapping the import.
 
 import contextlib
 from enum import Enum
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple, Union, cast
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 from torch import nn
@@ -36,6 +36,7 @@ from ._engine.unit_state import UnitState, state_of
 from ._engine.unshard import summon_full_params
 from ._engine.views import make_views
 from ._state_dict import state_dict as _state_dict
+from ._state_dict.settings import state_dicts_of
 from ._wrapper import clip_grad as _clip_grad
 from ._wrapper.initial_values import MetaInit, check_param_init_fn, check_same_values, move_to_compute_device
 from ._wrapper.initial_values import sync_module_states as sync_states_from_first
@@ -54,8 +55,6 @@ from ._wrapper.unit_plan import auto_wrap, resolve_ignored_states, unit_param_sl
 from .api import (
     BackwardPrefetch,
     CPUOffload,
-    FullOptimStateDictConfig,
-    FullStateDictConfig,
     MixedPrecision,
     OptimStateDictConfig,
     ShardingStrategy,
@@ -160,14 +159,10 @@ class FullyShardedDataParallel(nn.Module, OptimStateDictAPI):
             if unit is not self:
                 state_of(unit).nest(path)
 
-        # State dicts: FULL by default, as torch's; the names are torch's, which clients read.
-        self._state_dict_type = StateDictType.FULL_STATE_DICT
-        self._state_dict_config: StateDictConfig = FullStateDictConfig()
-        self._optim_state_dict_config: OptimStateDictConfig = FullOptimStateDictConfig()
-        self._state_dict_mesh: Optional[comm.DeviceMesh] = None  # the shard group's, made at the first SHARDED save
-        self._keys_loaded_by_hook: Set[str] = set()  # by the load pre-hook, for the post-hook's report
-        self._load_is_strict: Optional[bool] = None  # known while a load called on a unit runs
-        _state_dict.register_hooks(self)
+        # State dicts: FULL by default, as torch's. NO_SHARD units save and load FULL whatever the
+        # setting (torch's rule), except on a one-rank group, where SHARDED / LOCAL still give DTensors
+        # that load on any number of ranks (torch's gives full tensors there, pytorch#109666).
+        _state_dict.register_hooks(self, saves_full_only=strategy is ShardingStrategy.NO_SHARD and self.world_size > 1)
 
     def _flatten(self, module: nn.Module, groups: ProcessGroups, strategy: ShardingStrategy,
                  mixed_precision: Optional[MixedPrecision], use_orig_params: bool,
@@ -249,6 +244,19 @@ class FullyShardedDataParallel(nn.Module, OptimStateDictAPI):
     @property
     def mixed_precision(self) -> Optional[MixedPrecision]:
         return state_of(self).mixed_precision
+
+    # torch's names for the state-dict settings, which torch's own tests read; ``UnitStateDicts`` owns them.
+    @property
+    def _state_dict_type(self) -> StateDictType:
+        return state_dicts_of(self).type
+
+    @property
+    def _state_dict_config(self) -> StateDictConfig:
+        return state_dicts_of(self).config
+
+    @property
+    def _optim_state_dict_config(self) -> OptimStateDictConfig:
+        return state_dicts_of(self).optim_config
 
     @property
     def compute_device(self) -> torch.device:
@@ -414,7 +422,7 @@ class FullyShardedDataParallel(nn.Module, OptimStateDictAPI):
         for unit in root_state.units:
             if unit.handle is not None:
                 unit.handle.grad.take_user_changes()  # a zero_grad() on the original parameters counts
-        return _clip_grad.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
+        return _clip_grad.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite, self.cpu_offload.offload_params)
 
     def register_comm_hook(self, state: object, hook: Callable[..., object]) -> None:
         """Reduce every unit's gradient with ``hook`` instead of fsdp1's own reduction, with torch's

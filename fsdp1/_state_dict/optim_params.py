@@ -5,16 +5,14 @@ optimizer state.
 """
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple, cast
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
 
 from .._engine.flat_param import FlatParamHandle
 from .._engine.traversal import clean_fqn, unit_paths
-
-if TYPE_CHECKING:
-    from ..fully_sharded_data_parallel import FullyShardedDataParallel as Unit
+from .._engine.unit_state import state_of
 
 State = Dict[str, Any]
 
@@ -25,7 +23,7 @@ class UnitEntry:
     (use_orig_params=False), or each original parameter at its own position (None: not in the
     optimizer)."""
 
-    unit: "Unit"
+    unit: nn.Module
     handle: FlatParamHandle
     fqns: List[str]  # clean names from the model root, flat order
     positions: List[Optional[int]]
@@ -49,9 +47,8 @@ class OptimizerParams:
         self.units: List[UnitEntry] = []
         self.fqns_at: Dict[int, List[str]] = {}
         covered: Set[int] = set()
-        # cast: unit_paths tells units by a class flag, which mypy cannot follow.
-        for unit, path in cast(Dict["Unit", str], unit_paths(model)).items():
-            handle = unit._handle
+        for unit, path in unit_paths(model).items():
+            handle = state_of(unit).handle
             if handle is None:
                 continue
             dot = f"{path}." if path else ""

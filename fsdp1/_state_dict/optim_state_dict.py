@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from .._engine import collectives as comm
 from .._engine.layout import piece_in_shard
+from .._engine.unit_state import state_of
 from ..api import FullOptimStateDictConfig, StateDictType
 from .optim_params import OptimizerParams, State, UnitEntry, params_in, params_of
 from .state_dict import _all_units, _dim0_chunk, _effective_type, get_state_dict_type, rows_as_dtensors, state_dict_type
@@ -28,7 +29,7 @@ from .state_dict import _all_units, _dim0_chunk, _effective_type, get_state_dict
 def _check_every_rank_calls(model: nn.Module, api: str) -> None:
     units = _all_units(model)
     if units:
-        comm.check_every_rank_calls(units[0].process_group, api)
+        comm.check_every_rank_calls(state_of(units[0]).process_group, api)
 
 
 # ---------------------------------------------------------------------------------------- saving
@@ -99,8 +100,8 @@ def _agreed_state(entry: UnitEntry, saved: Dict[int, State]) -> Tuple[Dict[str, 
                 tensors[name] = value.dtype
             else:
                 scalars.setdefault(index, {})[name] = value.clone() if isinstance(value, torch.Tensor) else value
-    if entry.unit.world_size > 1:
-        gathered = comm.all_gather_object((tensors, scalars, stateful), entry.unit.process_group)
+    if state_of(entry.unit).world_size > 1:
+        gathered = comm.all_gather_object((tensors, scalars, stateful), state_of(entry.unit).process_group)
         for other_tensors, other_scalars, other_stateful in gathered:
             tensors.update(other_tensors)
             stateful |= other_stateful
@@ -132,11 +133,11 @@ def _stepped_on_any_rank(params: "OptimizerParams", optim: torch.optim.Optimizer
     never gets state; it must then offer nothing, not a template whose ``step`` 0 would stand beside
     the other ranks' real steps."""
     stepped = _has_state_or_grads(optim)
-    if not params.units or params.units[0].unit.world_size == 1:
+    if not params.units or state_of(params.units[0].unit).world_size == 1:
         return stepped
     unit = params.units[0].unit
-    flag = torch.tensor([float(stepped)], device=unit.compute_device)
-    comm.all_reduce_with(flag, unit.process_group, maximum=True).wait()
+    flag = torch.tensor([float(stepped)], device=state_of(unit).compute_device)
+    comm.all_reduce_with(flag, state_of(unit).process_group, maximum=True).wait()
     return bool(flag.item())
 
 
@@ -334,15 +335,15 @@ def _scattered(entry: UnitEntry, values: List[Any], template: torch.Tensor) -> t
     under a hybrid strategy the other replicas then receive their shard from the first replica."""
     handle, unit = entry.handle, entry.unit
     full = handle.conversions.padded_full_of(values, template) if comm.global_rank() == 0 else None
-    holds_rank0 = comm.global_rank_of(unit.process_group, 0) == 0
+    holds_rank0 = comm.global_rank_of(state_of(unit).process_group, 0) == 0
     if not handle.is_sharded:
         shard = full if full is not None else template.new_empty(handle.layout.shard_numel)
         if holds_rank0:
-            comm.broadcast_from_first(shard, unit.process_group).wait()
+            comm.broadcast_from_first(shard, state_of(unit).process_group).wait()
     else:
         shard = template.new_empty(handle.layout.shard_numel)
         if holds_rank0:
-            comm.scatter_from_first(shard, full, unit.process_group)
+            comm.scatter_from_first(shard, full, state_of(unit).process_group)
     if handle.replicate_group is not None:
         comm.broadcast_from_first(shard, handle.replicate_group).wait()
     return shard

@@ -16,7 +16,7 @@ rest on under the wrapped names; its post-hook reports missing and unexpected ke
 """
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple, cast
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -27,20 +27,17 @@ from .._engine import collectives as comm
 from .._engine.common import TrainingState
 from .._engine.flat_param import FlatParameter, FlatParamHandle
 from .._engine.traversal import FSDP_PREFIX, FSDP_WRAPPED_MODULE, clean_fqn, fsdp_units, is_fsdp_unit
-from .._engine.unit_state import adopt_replaced_flat_params
+from .._engine.unit_state import adopt_replaced_flat_params, state_of
 from .._engine.views import FLAT_PARAM, FLATTENED
 from ..api import (
     STATE_DICT_CONFIG_TYPES,
     FullStateDictConfig,
-    ShardingStrategy,
     StateDictSettings,
     StateDictType,
     coerce_config,
     coerce_enum,
 )
-
-if TYPE_CHECKING:
-    from ..fully_sharded_data_parallel import FullyShardedDataParallel as Unit
+from .settings import STATE_DICT_STATE, UnitStateDicts, state_dicts_of
 
 _NAME_ONLY = torch.empty(0)
 """Stands under an original parameter's name while the module saves, so that its key comes out where
@@ -48,8 +45,10 @@ the plain model's would; the post-hook replaces it before anyone sees it."""
 
 
 # ---------------------------------------------------------------------------------------- settings
-def register_hooks(unit: "Unit") -> None:
-    """The hooks that translate between the wrapped module's keys and the clean ones."""
+def register_hooks(unit: nn.Module, saves_full_only: bool) -> None:
+    """The unit's state-dict settings, and the hooks that translate between the wrapped module's
+    keys and the clean ones."""
+    unit.__dict__[STATE_DICT_STATE] = UnitStateDicts(saves_full_only)
     unit._register_state_dict_hook(_post_state_dict)
     unit._register_load_state_dict_pre_hook(_pre_load_state_dict, with_module=True)
     unit.register_load_state_dict_post_hook(_post_load_state_dict)
@@ -69,9 +68,9 @@ def set_state_dict_type(
         else coerce_config(optim_state_dict_config, optim_config_cls, "optim_state_dict_config", " for this state-dict type")
     )
     units = _units_of(module, "set_state_dict_type")
-    previous = _settings_of(units[0])
+    previous = state_dicts_of(units[0]).settings
     for unit in units:
-        unit._state_dict_type, unit._state_dict_config, unit._optim_state_dict_config = kind, config, optim_config
+        state_dicts_of(unit).use(StateDictSettings(kind, config, optim_config))
     return previous
 
 
@@ -99,12 +98,10 @@ def state_dict_type(
         yield
     finally:
         for unit, settings in previous.items():
-            unit._state_dict_type = settings.state_dict_type
-            unit._state_dict_config = settings.state_dict_config
-            unit._optim_state_dict_config = settings.optim_state_dict_config
+            state_dicts_of(unit).use(settings)
 
 
-def _units_of(module: nn.Module, api: str) -> List["Unit"]:
+def _units_of(module: nn.Module, api: str) -> List[nn.Module]:
     units = _all_units(module)
     if not units:
         raise ValueError(
@@ -114,26 +111,21 @@ def _units_of(module: nn.Module, api: str) -> List["Unit"]:
     return units
 
 
-def _all_units(module: nn.Module) -> List["Unit"]:
-    return cast(List["Unit"], fsdp_units(module))  # fsdp_units tells a unit by a class flag, which mypy cannot follow
+def _all_units(module: nn.Module) -> List[nn.Module]:
+    return fsdp_units(module)
 
 
-def _settings_of(unit: "Unit") -> StateDictSettings:
-    return StateDictSettings(unit._state_dict_type, unit._state_dict_config, unit._optim_state_dict_config)
+def _settings_of(unit: nn.Module) -> StateDictSettings:
+    return state_dicts_of(unit).settings
 
 
-def _effective_type(unit: "Unit") -> StateDictType:
-    """NO_SHARD units save and load FULL whatever the setting (torch's rule), except on a one-rank
-    group, where SHARDED / LOCAL still give DTensors that load on any number of ranks (torch's gives
-    full tensors there, pytorch#109666)."""
-    if unit.sharding_strategy is ShardingStrategy.NO_SHARD and unit.world_size > 1:
-        return StateDictType.FULL_STATE_DICT
-    return unit._state_dict_type
+def _effective_type(unit: nn.Module) -> StateDictType:
+    return state_dicts_of(unit).effective_type
 
 
-def _check_idle(unit: "Unit", api: str) -> None:
-    if unit.training_state is not TrainingState.IDLE:
-        where = "inside summon_full_params()" if unit.training_state is TrainingState.SUMMON_FULL_PARAMS else "during forward or backward"
+def _check_idle(unit: nn.Module, api: str) -> None:
+    if state_of(unit).training_state is not TrainingState.IDLE:
+        where = "inside summon_full_params()" if state_of(unit).training_state is TrainingState.SUMMON_FULL_PARAMS else "during forward or backward"
         raise RuntimeError(
             f"fsdp1: {api}() was called {where}; call it between training steps, outside summon_full_params()."
         )
@@ -141,7 +133,7 @@ def _check_idle(unit: "Unit", api: str) -> None:
 
 # ---------------------------------------------------------------------------------------- saving
 @contextlib.contextmanager
-def saving(unit: "Unit") -> Iterator[None]:
+def saving(unit: nn.Module) -> Iterator[None]:
     """Around ``nn.Module.state_dict`` of ``unit``: every original parameter's name is registered
     (use_orig_params=False) so that its key comes out in the plain model's order, and removed again
     whatever happens."""
@@ -150,7 +142,7 @@ def saving(unit: "Unit") -> Iterator[None]:
         return
     _check_idle(unit, "state_dict")
     adopt_replaced_flat_params(unit)
-    handle = unit._handle
+    handle = state_of(unit).handle
     if handle is None or handle.use_orig_params or _effective_type(unit) is StateDictType.LOCAL_STATE_DICT:
         yield
         return
@@ -158,28 +150,29 @@ def saving(unit: "Unit") -> Iterator[None]:
         yield
 
 
-def _in_summon_full_params(unit: "Unit") -> bool:
+def _in_summon_full_params(unit: nn.Module) -> bool:
     """A FULL state dict inside ``summon_full_params``, as torch's allows: the values are the
     summoned parameters, copied; other types there are refused by ``_check_idle``."""
-    return unit.training_state is TrainingState.SUMMON_FULL_PARAMS and _effective_type(unit) is StateDictType.FULL_STATE_DICT
+    return state_of(unit).training_state is TrainingState.SUMMON_FULL_PARAMS and _effective_type(unit) is StateDictType.FULL_STATE_DICT
 
 
-def _post_state_dict(unit: "Unit", destination: Dict[str, Any], prefix: str, local_metadata: Any) -> Dict[str, Any]:
+def _post_state_dict(unit: nn.Module, destination: Dict[str, Any], prefix: str, local_metadata: Any) -> Dict[str, Any]:
     _strip_wrapper_names(destination, prefix)
     kind = _effective_type(unit)
-    config = unit._state_dict_config if kind is unit._state_dict_type else FullStateDictConfig()
+    config = state_dicts_of(unit).config if kind is state_dicts_of(unit).type else FullStateDictConfig()
     keep = not (kind is StateDictType.FULL_STATE_DICT and getattr(config, "rank0_only", False) and comm.global_rank() != 0)
-    if unit._handle is not None and _in_summon_full_params(unit):
+    handle = state_of(unit).handle
+    if handle is not None and _in_summon_full_params(unit):
         destination.pop(prefix + FLAT_PARAM, None)
-        for fqn, _ in unit._handle.views.slot_fqns():
+        for fqn, _ in handle.views.slot_fqns():
             key = prefix + clean_fqn(fqn)
             if key in destination:
                 value = destination[key].detach()
                 destination[key] = value.to("cpu", copy=True) if config.offload_to_cpu else value.clone()
-    elif unit._handle is not None:
-        _save_params(unit, unit._handle, destination, prefix, kind, config.offload_to_cpu, keep)
-    if unit._root_state is not None:  # buffers are cast at the root's lazy init, not before
-        unit._root_state.buffers.restore_dtypes(unit, destination, prefix)
+    elif handle is not None:
+        _save_params(unit, handle, destination, prefix, kind, config.offload_to_cpu, keep)
+    if state_of(unit).has_root_state:  # buffers are cast at the root's lazy init, not before
+        state_of(unit).root_state.buffers.restore_dtypes(unit, destination, prefix)
     for key in [prefix + clean_fqn(name) for name, _ in unit.named_buffers()]:
         if key not in destination:
             continue
@@ -190,7 +183,7 @@ def _post_state_dict(unit: "Unit", destination: Dict[str, Any], prefix: str, loc
     return destination
 
 
-def _save_params(unit: "Unit", handle: FlatParamHandle, destination: Dict[str, Any], prefix: str,
+def _save_params(unit: nn.Module, handle: FlatParamHandle, destination: Dict[str, Any], prefix: str,
                  kind: StateDictType, offload_to_cpu: bool, keep: bool) -> None:
     """Fill the keys of the unit's parameters (placeholders or shard views until now) in ``kind``'s
     form; LOCAL puts the flat shard in their place."""
@@ -236,16 +229,16 @@ def _full_values(handle: FlatParamHandle, keep: bool, offload_to_cpu: bool) -> O
         return [view.to("cpu", copy=True) if offload_to_cpu else view.clone() for view in views]
 
 
-def _sharded_values(unit: "Unit", handle: FlatParamHandle, offload_to_cpu: bool) -> List[DTensor]:
+def _sharded_values(unit: nn.Module, handle: FlatParamHandle, offload_to_cpu: bool) -> List[DTensor]:
     """One DTensor per parameter, split along dim 0 over the unit's shard group (torch's layout)."""
     return rows_as_dtensors(unit, handle.conversions.dim0_chunks(), offload_to_cpu)
 
 
-def rows_as_dtensors(unit: "Unit", rows: List[torch.Tensor], offload_to_cpu: bool) -> List[DTensor]:
+def rows_as_dtensors(unit: nn.Module, rows: List[torch.Tensor], offload_to_cpu: bool) -> List[DTensor]:
     """Each parameter's rows of this rank (``handle.conversions.dim0_chunks()`` or ``rows_of`` a state) as the
     DTensor of the whole parameter, ``Shard(0)`` over the unit's shard group."""
     mesh = _mesh_of(unit)
-    handle = unit._handle
+    handle = state_of(unit).handle
     assert handle is not None, "rows of a unit without parameters"
     return [
         DTensor.from_local(chunk.cpu() if offload_to_cpu else chunk, mesh, [Shard(0)], run_check=False, shape=shape,
@@ -254,7 +247,7 @@ def rows_as_dtensors(unit: "Unit", rows: List[torch.Tensor], offload_to_cpu: boo
     ]
 
 
-def _local_dtensor(unit: "Unit", handle: FlatParamHandle, offload_to_cpu: bool) -> DTensor:
+def _local_dtensor(unit: nn.Module, handle: FlatParamHandle, offload_to_cpu: bool) -> DTensor:
     """The unit's unpadded flat parameter as a DTensor whose local part is this rank's shard (a view)."""
     local = handle.conversions.local_flat_shard()
     local = local.cpu() if offload_to_cpu else local
@@ -262,10 +255,11 @@ def _local_dtensor(unit: "Unit", handle: FlatParamHandle, offload_to_cpu: bool) 
     return DTensor.from_local(local, _mesh_of(unit), [Shard(0)], run_check=False, shape=torch.Size([numel]), stride=(1,))
 
 
-def _mesh_of(unit: "Unit") -> comm.DeviceMesh:
-    if unit._state_dict_mesh is None:
-        unit._state_dict_mesh = comm.device_mesh_of(unit.process_group, unit.compute_device.type)
-    return unit._state_dict_mesh
+def _mesh_of(unit: nn.Module) -> comm.DeviceMesh:
+    state_dicts, state = state_dicts_of(unit), state_of(unit)
+    if state_dicts.mesh is None:
+        state_dicts.mesh = comm.device_mesh_of(state.process_group, state.compute_device.type)
+    return state_dicts.mesh
 
 
 def _contiguous_stride(shape: torch.Size) -> Tuple[int, ...]:
@@ -278,32 +272,32 @@ def _contiguous_stride(shape: torch.Size) -> Tuple[int, ...]:
 
 # ---------------------------------------------------------------------------------------- loading
 @contextlib.contextmanager
-def loading(unit: "Unit", strict: bool) -> Iterator[None]:
+def loading(unit: nn.Module, strict: bool) -> Iterator[None]:
     """Around ``nn.Module.load_state_dict`` of ``unit``: its hooks learn ``strict`` (``nn.Module``
     passes them True whatever it is), so that missing and unexpected keys are refused before anything
     is written, not after."""
     adopt_replaced_flat_params(unit)
     units = _all_units(unit)
     for member in units:
-        member._load_is_strict = strict
+        state_dicts_of(member).load_is_strict = strict
     try:
         yield
     finally:
         for member in units:
-            member._load_is_strict = None
+            state_dicts_of(member).load_is_strict = None
 
 
 def _pre_load_state_dict(
-    unit: "Unit", state_dict: Dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
+    unit: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
     missing_keys: List[str], unexpected_keys: List[str], error_msgs: List[str],
 ) -> None:
     _check_idle(unit, "load_state_dict")
     if FSDP_WRAPPED_MODULE not in prefix.split("."):  # the first unit of this load: check its subtree
-        comm.check_every_rank_calls(unit.process_group, "load_state_dict()")
-        problem = _check_subtree(unit, state_dict, prefix, bool(unit._load_is_strict))
+        comm.check_every_rank_calls(state_of(unit).process_group, "load_state_dict()")
+        problem = _check_subtree(unit, state_dict, prefix, bool(state_dicts_of(unit).load_is_strict))
         _agree_on(unit, prefix, problem)
     loaded: Set[str] = set()
-    handle = unit._handle
+    handle = state_of(unit).handle
     clean_prefix = clean_fqn(prefix)
     if handle is not None:
         kind = _effective_type(unit)
@@ -330,15 +324,15 @@ def _pre_load_state_dict(
                 handle.conversions.load_full_params([None if v is None else _full_value(v) for v in values])
             else:
                 handle.conversions.load_dim0_chunks([None if v is None else _dim0_chunk(unit, handle, i, v) for i, v in enumerate(values)])
-    unit._keys_loaded_by_hook = loaded
+    state_dicts_of(unit).keys_loaded_by_hook = loaded
     for key in [key for key in state_dict if key.startswith(prefix)]:
         state_dict[prefix + FSDP_PREFIX + key[len(prefix) :]] = state_dict.pop(key)
 
 
-def _post_load_state_dict(unit: "Unit", incompatible_keys: Any) -> None:
+def _post_load_state_dict(unit: nn.Module, incompatible_keys: Any) -> None:
     """Report missing and unexpected keys by clean name, once each; the ones this unit loaded itself
     (which the wrapped module, holding only shard views or the flat parameter, reports) are not."""
-    loaded = unit._keys_loaded_by_hook
+    loaded = state_dicts_of(unit).keys_loaded_by_hook
     for keys in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
         cleaned = [clean_fqn(key) for key in keys]
         keys[:] = list(dict.fromkeys(key for key in cleaned if key not in loaded))
@@ -356,14 +350,14 @@ def _full_value(value: Any) -> torch.Tensor:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
-def _dim0_chunk(unit: "Unit", handle: FlatParamHandle, index: int, value: Any) -> torch.Tensor:
+def _dim0_chunk(unit: nn.Module, handle: FlatParamHandle, index: int, value: Any) -> torch.Tensor:
     """This rank's dim-0 rows of ``value``: the local part of a DTensor or ShardedTensor laid out as
     this unit saves (the usual case: a template from ``state_dict()`` filled by DCP), else cut from
     the full value (a plain tensor, or any other layout gathered first)."""
     shape = handle.layout.shapes[index]
     rows = handle.conversions.rows_held(index)
     first, last = rows.start, rows.end
-    world = unit.world_size if handle.is_sharded else 1
+    world = state_of(unit).world_size if handle.is_sharded else 1
     if isinstance(value, DTensor):
         if value.placements == (Shard(0),) and value.device_mesh.size() == world and value.to_local().shape[0] == last - first:
             return value.to_local()
@@ -397,7 +391,7 @@ def _is_sharded_tensor(value: Any) -> bool:
 
 
 # ---------------------------------------------------------------------------------------- checking
-def _check_subtree(unit: "Unit", state_dict: Dict[str, Any], prefix: str, strict: bool) -> Optional[str]:
+def _check_subtree(unit: nn.Module, state_dict: Dict[str, Any], prefix: str, strict: bool) -> Optional[str]:
     """What is wrong with ``state_dict`` for ``unit``'s subtree (None if nothing): a value whose shape
     differs from the model's, and with ``strict`` a key the model has and the dict lacks or the
     reverse (through a root that is not a unit, strictness is not known here: ``nn.Module`` then
@@ -439,7 +433,7 @@ def _names(prefix: str, names: Sequence[str], shown: int = 5) -> str:
     return listed + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
-def _expected_entries(unit: "Unit") -> Tuple[Dict[str, Optional[torch.Size]], List[str]]:
+def _expected_entries(unit: nn.Module) -> Tuple[Dict[str, Optional[torch.Size]], List[str]]:
     """The clean keys (relative to ``unit``) a state dict of its subtree has, with their shapes (None
     where unknown), and what ``_is_exempt`` spares: the keys a norm layer fills or drops itself
     (``num_batches_tracked`` of old checkpoints, running statistics it does not track), and everything below any other module
@@ -468,8 +462,8 @@ def _expected_entries(unit: "Unit") -> Tuple[Dict[str, Optional[torch.Size]], Li
     return expected, exempt
 
 
-def _add_unit_entries(unit: "Unit", dot: str, expected: Dict[str, Optional[torch.Size]]) -> None:
-    handle = unit._handle
+def _add_unit_entries(unit: nn.Module, dot: str, expected: Dict[str, Optional[torch.Size]]) -> None:
+    handle = state_of(unit).handle
     if handle is None:
         return
     if _effective_type(unit) is StateDictType.LOCAL_STATE_DICT:
@@ -485,10 +479,10 @@ def _loads_in_own_way(module: nn.Module) -> bool:
     return type(module)._load_from_state_dict is not nn.Module._load_from_state_dict or bool(module._load_state_dict_pre_hooks)
 
 
-def _agree_on(unit: "Unit", prefix: str, problem: Optional[str]) -> None:
+def _agree_on(unit: nn.Module, prefix: str, problem: Optional[str]) -> None:
     """Raise on every rank of the unit's group if the check failed on any, naming the ranks, so that
     no rank goes on into a collective the others never reach."""
-    problems = comm.all_gather_object(problem, unit.process_group) if unit.world_size > 1 else [problem]
+    problems = comm.all_gather_object(problem, state_of(unit).process_group) if state_of(unit).world_size > 1 else [problem]
     failed = [(rank, p) for rank, p in enumerate(problems) if p is not None]
     if not failed:
         return

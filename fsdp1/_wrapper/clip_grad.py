@@ -11,20 +11,20 @@ place scales the original parameters' ``.grad`` too (with use_orig_params they a
 
 import functools
 import warnings
-from typing import TYPE_CHECKING, List, Optional
+from typing import List, Optional
 
 import torch
+from torch import nn
 
 from .._engine import collectives as comm
 from .._engine.flat_param import FlatParamHandle
-
-if TYPE_CHECKING:
-    from ..fully_sharded_data_parallel import FullyShardedDataParallel as Unit
+from .._engine.unit_state import state_of
 
 
-def clip_grad_norm_(root: "Unit", max_norm: float, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
-    state = root._root_state
-    assert state is not None, "clip_grad_norm_() runs on the root after lazy_init"
+def clip_grad_norm_(root: nn.Module, max_norm: float, norm_type: float, error_if_nonfinite: bool,
+                    offload_params: bool) -> torch.Tensor:
+    root_unit = state_of(root)
+    state = root_unit.root_state
     handles = [unit.handle for unit in state.units if unit.handle is not None]
     if not any(handle.is_sharded for handle in handles):  # every rank holds every gradient: DDP's case
         params = list(root.parameters())
@@ -40,7 +40,7 @@ def clip_grad_norm_(root: "Unit", max_norm: float, norm_type: float, error_if_no
         (sharded if handle.is_sharded else whole).extend(_grads_of(handle))
     has_whole = any(not handle.is_sharded for handle in handles) or bool(state.params_outside_units)
     whole += [p.grad for p in state.params_outside_units if p.grad is not None]
-    device = root.compute_device
+    device = root_unit.compute_device
     sharded_norm = _norm(sharded, norm_type, device)
     whole_norm = _norm(whole, norm_type, device) if has_whole else None
     nonfinite_here = error_if_nonfinite and not all(
@@ -48,17 +48,17 @@ def clip_grad_norm_(root: "Unit", max_norm: float, norm_type: float, error_if_no
     if norm_type == float("inf"):
         # The whole part joins after the reduction: the same maximum as torch's wherever the ranks'
         # whole gradients agree, and each rank's own, as DDP's, for ignored ones, which may not.
-        comm.all_reduce_with(sharded_norm, root.process_group, maximum=True).wait()
+        comm.all_reduce_with(sharded_norm, root_unit.process_group, maximum=True).wait()
         total = sharded_norm if whole_norm is None else torch.maximum(sharded_norm, whole_norm)
     else:
         total = sharded_norm**norm_type
-        comm.all_reduce_with(total, root.process_group, maximum=False).wait()
+        comm.all_reduce_with(total, root_unit.process_group, maximum=False).wait()
         if whole_norm is not None:
             total += whole_norm**norm_type
         total = total ** (1.0 / norm_type)
     if error_if_nonfinite:
         _refuse_nonfinite(root, total, nonfinite_here)
-    if root.cpu_offload.offload_params:
+    if offload_params:
         total = total.cpu()
     clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     grads = sharded + whole
@@ -72,13 +72,14 @@ def clip_grad_norm_(root: "Unit", max_norm: float, norm_type: float, error_if_no
     return total.to(functools.reduce(torch.promote_types, [grad.dtype for grad in grads]))
 
 
-def _refuse_nonfinite(root: "Unit", total: torch.Tensor, nonfinite_here: bool) -> None:
+def _refuse_nonfinite(root: nn.Module, total: torch.Tensor, nonfinite_here: bool) -> None:
     """``error_if_nonfinite``: raise on every rank, before any gradient is scaled, naming the ranks
     whose own gradients (after the reduction, their shards) hold a NaN or an infinity; each rank
     judges its own part, so ranks never disagree about raising."""
-    flags = torch.zeros(root.world_size, device=root.compute_device)
-    flags[root.rank] = float(nonfinite_here)
-    comm.all_reduce_with(flags, root.process_group, maximum=True).wait()
+    unit = state_of(root)
+    flags = torch.zeros(unit.world_size, device=unit.compute_device)
+    flags[comm.group_rank(unit.process_group)] = float(nonfinite_here)
+    comm.all_reduce_with(flags, unit.process_group, maximum=True).wait()
     ranks = [rank for rank, flag in enumerate(flags.tolist()) if flag]
     if ranks:
         raise RuntimeError(
