@@ -265,7 +265,7 @@ class FlatParamHandle:
     def write_back_orig_params(self, is_gathered_for_backward: bool = False) -> None:
         """Take into the shard what the user assigned to an original parameter at rest
         (use_orig_params); a gathered copy is then stale, and the next use gathers the new values."""
-        if self.views.take_user_changes(is_gathered_for_backward, self.layout.rank) and self.holds_gathered_copy:
+        if self.views.take_user_changes(is_gathered_for_backward, self.layout) and self.holds_gathered_copy:
             self.reshard()
 
     # ----------------------------------------------------------------------------- unshard / reshard

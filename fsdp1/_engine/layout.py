@@ -24,6 +24,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from . import collectives as comm
+from .redistribute import RowRedistribution
 from .shard_math import (
     ALIGNMENT_PADDING_VALUE,
     FlatLayout,
@@ -107,6 +108,21 @@ class ParamLayout(ABC):
         """Every parameter's part of a tensor laid out as this rank's shard."""
         return [self.local_view(shard_like, index) for index in range(len(self.shapes))]
 
+    @abstractmethod
+    def held_rows(self, index: int) -> Tuple[int, int]:
+        """The dim-0 rows ``[start, end)`` of parameter ``index`` this rank holds in DTensor's
+        ``Shard(0)`` over the group (every row when the layout is not sharded)."""
+
+    @abstractmethod
+    def rows_of(self, shard_like: torch.Tensor, group: comm.ProcessGroup) -> List[torch.Tensor]:
+        """Each parameter's dim-0 rows this rank holds in DTensor's ``Shard(0)`` over the group, of a
+        tensor laid out as its shard, as new tensors (collective where the layout is not in rows)."""
+
+    @abstractmethod
+    def load_rows(self, rows: Sequence[Optional[torch.Tensor]], shard_like: torch.Tensor, group: comm.ProcessGroup) -> None:
+        """The inverse of ``rows_of``, written into ``shard_like`` in place; None leaves a parameter
+        as it is (on every rank alike)."""
+
     def flatten(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """A new unsharded buffer holding ``tensors`` (the parameters' values, in flat order)."""
         first = tensors[0]
@@ -158,6 +174,26 @@ class FlatShardLayout(ParamLayout):
         unsharded = torch.full((self.unsharded_numel,), ALIGNMENT_PADDING_VALUE, dtype=dtype, device=device)
         unsharded[self.flat.numel :].zero_()
         return unsharded
+
+    def held_rows(self, index: int) -> Tuple[int, int]:
+        rows = shard_span(self.shapes[index][0], *self._row_rank_and_world)
+        return rows.start, rows.end
+
+    def rows_of(self, shard_like: torch.Tensor, group: comm.ProcessGroup) -> List[torch.Tensor]:
+        return self._row_redistribution(group).rows_of(shard_like)
+
+    def load_rows(self, rows: Sequence[Optional[torch.Tensor]], shard_like: torch.Tensor, group: comm.ProcessGroup) -> None:
+        for offset, piece in self._row_redistribution(group).pieces_for(rows, shard_like):
+            shard_like[offset : offset + piece.numel()].copy_(piece)
+
+    @property
+    def _row_rank_and_world(self) -> Tuple[int, int]:
+        """Where this rank's rows lie among the rows' holders: unsharded, it holds every row."""
+        return (self.rank, self.world_size) if self.is_sharded else (0, 1)
+
+    def _row_redistribution(self, group: comm.ProcessGroup) -> RowRedistribution:
+        """The all-to-all between the flat shards and the rows."""
+        return RowRedistribution(self.flat.offsets, self.shapes, self.flat.numel, *self._row_rank_and_world, group)
 
     def all_gather(self, unsharded: torch.Tensor, shard: torch.Tensor, group: comm.ProcessGroup, path: str) -> comm.Waitable:
         alloc_storage(unsharded)
@@ -252,8 +288,15 @@ class RowShardLayout(ParamLayout):
         return torch.cat(self._rank_major(unsharded_grad), dim=1).view(-1)
 
     def held_rows(self, index: int) -> Tuple[int, int]:
-        """The rows ``[start, end)`` of parameter ``index`` that this rank holds."""
         return self._held[index]
+
+    def rows_of(self, shard_like: torch.Tensor, group: comm.ProcessGroup) -> List[torch.Tensor]:
+        return [view.clone() for view in self.local_views(shard_like)]
+
+    def load_rows(self, rows: Sequence[Optional[torch.Tensor]], shard_like: torch.Tensor, group: comm.ProcessGroup) -> None:
+        for view, row in zip(self.local_views(shard_like), rows):
+            if row is not None:
+                view.copy_(row.reshape(view.shape))
 
     def local_view(self, shard_like: torch.Tensor, index: int, start: int = 0) -> torch.Tensor:
         info, shape = self.shard_infos[index], self.shapes[index]

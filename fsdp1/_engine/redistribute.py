@@ -45,8 +45,7 @@ class RowRedistribution:
         received = self._exchange(send, receive, local_shard)
         rows = []
         for i, shape in enumerate(self._shapes):
-            start, end = self._rows_range(i, self._rank)
-            count = (end - start) // max(1, shape[1:].numel())
+            count = shard_span(shape[0], self._rank, self._world_size).numel  # a zero-size dimension has no elements to count
             rows.append(torch.cat([received[peer][i] for peer in range(self._world_size)]).view(count, *shape[1:]))
         return rows
 

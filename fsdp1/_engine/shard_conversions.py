@@ -7,14 +7,12 @@ needs of the handle is ``ShardHolder``: the shard itself, where the group comput
 that drops a gathered copy after the shard changed.
 """
 
-from typing import List, Optional, Protocol, Sequence, Tuple
+from typing import List, Optional, Protocol, Sequence
 
 import torch
 
 from . import collectives as comm
-from .layout import FlatShardLayout, ParamLayout, shard_of_values
-from .redistribute import RowRedistribution
-from .shard_math import ShardSpan, shard_span
+from .layout import ParamLayout, shard_of_values
 
 
 class ShardHolder(Protocol):
@@ -48,22 +46,19 @@ class ShardConversions:
 
     def dim0_chunks(self) -> List[torch.Tensor]:
         """Each parameter's rows that this rank holds when split along dim 0 over the group (DTensor's
-        ``Shard(0)``), as new tensors, without unsharding the unit (``RowRedistribution``)."""
-        return self._row_redistribution().rows_of(self._holder.local_shard)
+        ``Shard(0)``), as new tensors, without unsharding the unit."""
+        return self._layout.rows_of(self._holder.local_shard, self._group)
 
     def load_dim0_chunks(self, chunks: Sequence[Optional[torch.Tensor]]) -> None:
         """The inverse of ``dim0_chunks``: each parameter's rows of this rank (None keeps the
-        parameter, on every rank alike) go into the flat shards that cover them."""
-        shard = self._holder.local_shard
-        pieces = self._row_redistribution().pieces_for(chunks, shard)
+        parameter, on every rank alike) go into the shard."""
         with torch.no_grad():
-            for offset, piece in pieces:
-                shard[offset : offset + piece.numel()].copy_(piece)
+            self._layout.load_rows(chunks, self._holder.local_shard, self._group)
         self._holder.reshard()
 
     def local_flat_shard(self) -> torch.Tensor:
         """This rank's part of the unpadded flat parameter (a view of the shard; no copy)."""
-        return self._holder.local_shard[: self._flat_shard_layout().span.numel]
+        return self._holder.local_shard[: self._layout.shard_numel - self._layout.shard_padding_numel]
 
     def load_local_flat_shard(self, local: torch.Tensor) -> None:
         """Copy ``local`` (this rank's unpadded flat part, as ``local_flat_shard`` gave it) into the shard."""
@@ -100,33 +95,11 @@ class ShardConversions:
         return full
 
     def rows_of(self, flat_shard: torch.Tensor) -> List[torch.Tensor]:
-        """Each parameter's dim-0 rows of this rank, of a shard-laid-out tensor (one all-to-all)."""
-        return self._row_redistribution().rows_of(flat_shard)
+        """Each parameter's dim-0 rows of this rank, of a shard-laid-out tensor."""
+        return self._layout.rows_of(flat_shard, self._group)
 
     def shard_of_rows(self, rows: Sequence[Optional[torch.Tensor]], like: torch.Tensor) -> torch.Tensor:
         """The inverse of ``rows_of``, in a new shard-laid-out tensor (None: zeros)."""
         shard = like.new_zeros(self._layout.shard_numel)
-        for offset, piece in self._row_redistribution().pieces_for(rows, shard):
-            shard[offset : offset + piece.numel()] = piece
+        self._layout.load_rows(rows, shard, self._group)
         return shard
-
-    def rows_held(self, index: int) -> ShardSpan:
-        """The rows of parameter ``index`` this rank holds in the row layout (``dim0_chunks``)."""
-        rank, world_size = self._rank_in_row_layout()
-        return shard_span(self._layout.shapes[index][0], rank, world_size)
-
-    def _rank_in_row_layout(self) -> Tuple[int, int]:
-        """(rank, world size) the rows are split over: the group, or this rank alone when unsharded."""
-        layout = self._layout
-        return (layout.rank, layout.world_size) if layout.is_sharded else (0, 1)
-
-    def _flat_shard_layout(self) -> FlatShardLayout:
-        """The layout, for the conversions only FSDP1's flat shard has (fully_shard's parameters are
-        DTensors in rows already)."""
-        assert isinstance(self._layout, FlatShardLayout), "fully_shard units have no flat-shard state-dict forms"
-        return self._layout
-
-    def _row_redistribution(self) -> RowRedistribution:
-        layout = self._flat_shard_layout()
-        return RowRedistribution(layout.flat.offsets, layout.shapes, layout.flat.numel, *self._rank_in_row_layout(), self._group)
-

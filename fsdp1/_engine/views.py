@@ -216,7 +216,7 @@ class ParamViews(ABC):
         """The parameters' requires_grad now, if it changed since the last call (else None)."""
         return None
 
-    def take_user_changes(self, is_gathered_for_backward: bool, rank: int) -> bool:
+    def take_user_changes(self, is_gathered_for_backward: bool, layout: ParamLayout) -> bool:
         """Take into the shard what the user assigned to an original parameter; whether any was."""
         return False
 
@@ -346,7 +346,7 @@ class OrigParamViews(ParamViews):
         self.requires_grad = requires_grad
         return requires_grad
 
-    def take_user_changes(self, is_gathered_for_backward: bool, rank: int) -> bool:
+    def take_user_changes(self, is_gathered_for_backward: bool, layout: ParamLayout) -> bool:
         """As torch's: a new ``Parameter`` assigned in an original's place (it becomes the original;
         its gradient starts empty) or new ``.data`` assigned to one. Either must have the shape the
         parameter has at rest (its 1-D part of this rank's shard when sharded); anything else would
@@ -372,7 +372,7 @@ class OrigParamViews(ParamViews):
             if current.shape != view.shape:
                 raise RuntimeError(
                     f"fsdp1: Cannot writeback when the parameter shape changes: '{where}' is {tuple(current.shape)} "
-                    f"on rank {rank} but its part of this rank's shard is {tuple(view.shape)}. Assign values "
+                    f"on rank {layout.rank} but its part of this rank's shard is {tuple(view.shape)}. Assign values "
                     "inside summon_full_params() (full shapes), or keep the shape the parameter has now."
                 )
             with torch.no_grad():  # through ``.data``: the shard's version counter is the flat parameter's

@@ -11,62 +11,20 @@ its unsharded parameters registered.
 """
 
 import weakref
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Set, Tuple, cast
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement
+from torch.distributed.tensor import DTensor
 
 from .._engine import collectives as comm
+from .._engine.dtensors import RowSharding, viewing
 from .._engine.layout import ParamLayout, RowShardLayout, alloc_storage
 from .._engine.traversal import ParamSlot
 from .._engine.views import FLATTENED, OrigParamViews
 
 if TYPE_CHECKING:
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec
-
-
-def contiguous_stride(shape: Sequence[int]) -> Tuple[int, ...]:
-    stride, running = [], 1
-    for size in reversed(shape):
-        stride.append(running)
-        running *= max(size, 1)
-    return tuple(reversed(stride))
-
-
-@dataclass(frozen=True)
-class RowSharding:
-    """How a ``fully_shard`` unit shows its parameters: DTensors on ``mesh`` with ``placements``."""
-
-    mesh: DeviceMesh
-    placements: Tuple[Placement, ...]
-
-    def dtensor(self, local: torch.Tensor, shape: torch.Size) -> DTensor:
-        """``local`` (this rank's rows) as the DTensor of global ``shape``; the shape is given, not
-        inferred, since uneven rows would make every rank infer its own (a hang, pytorch#149138)."""
-        return viewing(local, self._stand_in(local, shape)._spec)
-
-    def parameter(self, local: torch.Tensor, shape: torch.Size, requires_grad: bool) -> nn.Parameter:
-        """A DTensor ``nn.Parameter`` of global ``shape`` whose local tensor is ``local``."""
-        param = nn.Parameter(self._stand_in(local, shape), requires_grad=requires_grad)
-        cast(DTensor, param)._local_tensor = local
-        return param
-
-    def _stand_in(self, local: torch.Tensor, shape: torch.Size) -> DTensor:
-        return DTensor.from_local(local.new_empty(0), self.mesh, self.placements, run_check=False, shape=shape,
-                                  stride=contiguous_stride(shape))
-
-
-def viewing(local: torch.Tensor, spec: "DTensorSpec") -> DTensor:
-    """A DTensor of ``spec`` whose local tensor is ``local``, built on an empty stand-in: a DTensor's
-    wrapper takes the storage offset of the tensor it is built on, and ``torch.save`` (and
-    ``deepcopy``) cannot handle a wrapper with a nonzero offset, which a view of the shard past its
-    first element would give it."""
-    dtensor = DTensor(local.new_empty(0), spec, requires_grad=False)
-    dtensor._local_tensor = local
-    return dtensor
+    pass
 
 
 class DTensorParamViews(OrigParamViews):
@@ -173,7 +131,7 @@ class DTensorParamViews(OrigParamViews):
         assert self._installed is not None, "a forward installed its views"
         self._install_full([view.detach() for view in self._installed])
 
-    def take_user_changes(self, is_gathered_for_backward: bool, rank: int) -> bool:
+    def take_user_changes(self, is_gathered_for_backward: bool, layout: ParamLayout) -> bool:
         """A DTensor Parameter assigned in an original's place (``load_state_dict(assign=True)``,
         ``module.weight = ...``, a loader filling a model sharded on the meta device) becomes the
         original: its values (this rank's rows) are copied into the shard, which it then views. A
@@ -204,7 +162,7 @@ class DTensorParamViews(OrigParamViews):
                     f"{tuple(slot.live_param.shape)} in {view.dtype}. Assign values of that shape and dtype, or convert "
                     "the module first (module.to(dtype)); or load them with load_state_dict(), which converts."
                 )
-            local = current.to_local() if isinstance(current, DTensor) else self._held_rows(current, view, rank)
+            local = current.to_local() if isinstance(current, DTensor) else current.detach()[slice(*layout.held_rows(index))]
             with torch.no_grad():  # through ``.data``: the shard's version counter is the flat parameter's
                 view.data.copy_(local.reshape(view.shape))
             if not isinstance(current, DTensor):
@@ -217,12 +175,6 @@ class DTensorParamViews(OrigParamViews):
             self._awaiting_values.discard(index)
             written = True
         return written
-
-    def _held_rows(self, full: torch.Tensor, view: torch.Tensor, rank: int) -> torch.Tensor:
-        """This rank's rows of ``full`` (``torch.chunk``'s over the shard dimension of the mesh)."""
-        rows = -(-full.shape[0] // self.sharding.mesh.size(-1))
-        start = min(rank * rows, full.shape[0])
-        return full.detach()[start : start + view.shape[0]]
 
     holds_grad = True
     tracks_arrivals = True

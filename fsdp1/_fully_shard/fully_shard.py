@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from .._engine import collectives as comm
 from .._engine.collectives import ProcessGroups
 from .._engine.common import TrainingState
+from .._engine.dtensors import RowSharding, viewing
 from .._engine.flat_grad import ReduceSettings
 from .._engine.flat_param import FlatParamHandle, HandleState
 from .._engine.layout import RowShardLayout
@@ -39,7 +40,7 @@ from ..api import (
     MixedPrecisionPolicy,
     OffloadPolicy,
 )
-from .dtensor_views import DTensorParamViews, PostForwardRows, RowSharding, viewing
+from .dtensor_views import DTensorParamViews, PostForwardRows
 
 
 class UnshardHandle:

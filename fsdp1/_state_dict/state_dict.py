@@ -25,6 +25,7 @@ from torch.nn.modules.batchnorm import _NormBase
 
 from .._engine import collectives as comm
 from .._engine.common import TrainingState
+from .._engine.dtensors import RowSharding
 from .._engine.flat_param import FlatParameter, FlatParamHandle
 from .._engine.traversal import FSDP_PREFIX, FSDP_WRAPPED_MODULE, clean_fqn, fsdp_units, is_fsdp_unit
 from .._engine.unit_state import adopt_replaced_flat_params, state_of
@@ -237,22 +238,17 @@ def _sharded_values(unit: nn.Module, handle: FlatParamHandle, offload_to_cpu: bo
 def rows_as_dtensors(unit: nn.Module, rows: List[torch.Tensor], offload_to_cpu: bool) -> List[DTensor]:
     """Each parameter's rows of this rank (``handle.conversions.dim0_chunks()`` or ``rows_of`` a state) as the
     DTensor of the whole parameter, ``Shard(0)`` over the unit's shard group."""
-    mesh = _mesh_of(unit)
     handle = state_of(unit).handle
     assert handle is not None, "rows of a unit without parameters"
-    return [
-        DTensor.from_local(chunk.cpu() if offload_to_cpu else chunk, mesh, [Shard(0)], run_check=False, shape=shape,
-                           stride=_contiguous_stride(shape))
-        for chunk, shape in zip(rows, handle.layout.shapes)
-    ]
+    sharding = RowSharding(_mesh_of(unit), (Shard(0),))
+    return [sharding.dtensor(chunk.cpu() if offload_to_cpu else chunk, shape) for chunk, shape in zip(rows, handle.layout.shapes)]
 
 
 def _local_dtensor(unit: nn.Module, handle: FlatParamHandle, offload_to_cpu: bool) -> DTensor:
     """The unit's unpadded flat parameter as a DTensor whose local part is this rank's shard (a view)."""
     local = handle.conversions.local_flat_shard()
     local = local.cpu() if offload_to_cpu else local
-    numel = handle.layout.unpadded_numel
-    return DTensor.from_local(local, _mesh_of(unit), [Shard(0)], run_check=False, shape=torch.Size([numel]), stride=(1,))
+    return RowSharding(_mesh_of(unit), (Shard(0),)).dtensor(local, torch.Size([handle.layout.unpadded_numel]))
 
 
 def _mesh_of(unit: nn.Module) -> comm.DeviceMesh:
@@ -260,14 +256,6 @@ def _mesh_of(unit: nn.Module) -> comm.DeviceMesh:
     if state_dicts.mesh is None:
         state_dicts.mesh = comm.device_mesh_of(state.process_group, state.compute_device.type)
     return state_dicts.mesh
-
-
-def _contiguous_stride(shape: torch.Size) -> Tuple[int, ...]:
-    stride, step = [], 1
-    for dim in reversed(shape):
-        stride.append(step)
-        step *= dim
-    return tuple(reversed(stride))
 
 
 # ---------------------------------------------------------------------------------------- loading
@@ -355,8 +343,7 @@ def _dim0_chunk(unit: nn.Module, handle: FlatParamHandle, index: int, value: Any
     this unit saves (the usual case: a template from ``state_dict()`` filled by DCP), else cut from
     the full value (a plain tensor, or any other layout gathered first)."""
     shape = handle.layout.shapes[index]
-    rows = handle.conversions.rows_held(index)
-    first, last = rows.start, rows.end
+    first, last = handle.layout.held_rows(index)
     world = state_of(unit).world_size if handle.is_sharded else 1
     if isinstance(value, DTensor):
         if value.placements == (Shard(0),) and value.device_mesh.size() == world and value.to_local().shape[0] == last - first:

@@ -1,0 +1,59 @@
+"""One builder of DTensors over a rank's rows, for every place fsdp1 shows a sharded tensor as a
+DTensor: ``fully_shard``'s parameters and gradients, the rows ``reshard_after_forward=k`` keeps,
+and FSDP1's SHARDED state dicts (parameters and optimizer state). The DTensor is built on an empty
+stand-in and given its local tensor afterwards, which no DTensor constructor does for a view."""
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence, Tuple, cast
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+
+def contiguous_stride(shape: Sequence[int]) -> Tuple[int, ...]:
+    """A contiguous tensor's strides for ``shape``, as torch computes them (a zero-size dimension
+    counts as one)."""
+    stride, running = [], 1
+    for size in reversed(shape):
+        stride.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+@dataclass(frozen=True)
+class RowSharding:
+    """DTensors on ``mesh`` with ``placements`` over given local tensors: how a ``fully_shard`` unit
+    shows its parameters, and how a SHARDED state dict shows a unit's rows (``Shard(0)``)."""
+
+    mesh: DeviceMesh
+    placements: Tuple[Placement, ...]
+
+    def dtensor(self, local: torch.Tensor, shape: torch.Size) -> DTensor:
+        """``local`` (this rank's rows) as the DTensor of global ``shape``; the shape is given, not
+        inferred, since uneven rows would make every rank infer its own (a hang, pytorch#149138)."""
+        return viewing(local, self._stand_in(local, shape)._spec)
+
+    def parameter(self, local: torch.Tensor, shape: torch.Size, requires_grad: bool) -> nn.Parameter:
+        """A DTensor ``nn.Parameter`` of global ``shape`` whose local tensor is ``local``."""
+        param = nn.Parameter(self._stand_in(local, shape), requires_grad=requires_grad)
+        cast(DTensor, param)._local_tensor = local
+        return param
+
+    def _stand_in(self, local: torch.Tensor, shape: torch.Size) -> DTensor:
+        return DTensor.from_local(local.new_empty(0), self.mesh, self.placements, run_check=False, shape=shape,
+                                  stride=contiguous_stride(shape))
+
+
+def viewing(local: torch.Tensor, spec: "DTensorSpec") -> DTensor:
+    """A DTensor of ``spec`` whose local tensor is ``local``, built on an empty stand-in: a DTensor's
+    wrapper takes the storage offset of the tensor it is built on, and ``torch.save`` (and
+    ``deepcopy``) cannot handle a wrapper with a nonzero offset, which a view of the shard past its
+    first element would give it."""
+    dtensor = DTensor(local.new_empty(0), spec, requires_grad=False)
+    dtensor._local_tensor = local
+    return dtensor

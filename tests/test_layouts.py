@@ -1,0 +1,122 @@
+"""Tests the layout contract: every kind of ``ParamLayout`` (FSDP1's flat shard, aligned or not,
+sharded or not; ``fully_shard``'s rows) keeps the same promises on 2 real ranks, for parameters
+of odd sizes, a zero-size dimension and a single row. Full values go into the shard and come back
+through the gather; the gather fills each parameter's full value; the reduction's input, reduce-
+scattered, leaves each rank its part of the summed gradient; and each parameter's dim-0 rows of
+this rank (DTensor's ``Shard(0)``) come out of the shard and go back into it."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fsdp1._engine import collectives as comm
+from fsdp1._engine.layout import FlatShardLayout, RowShardLayout, shard_of_values
+
+from _harness import run_on_ranks
+
+SHAPES = [torch.Size(s) for s in [(7, 3), (5,), (4, 0, 8), (1, 4), (10,), (3, 3, 2)]]
+
+LAYOUTS = {
+    "flat": lambda rank, world: FlatShardLayout(SHAPES, 0, rank, world, is_sharded=True),
+    "flat_aligned": lambda rank, world: FlatShardLayout(SHAPES, 4, rank, world, is_sharded=True),
+    "flat_unsharded": lambda rank, world: FlatShardLayout(SHAPES, 0, rank, world, is_sharded=False),
+    "rows": lambda rank, world: RowShardLayout(SHAPES, rank, world),
+}
+
+
+def _values(seed):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=generator) for shape in SHAPES]
+
+
+def _unsharded_of(layout, values):
+    """The whole unsharded buffer from this rank's shard of ``values``, through the layout's gather."""
+    shard = torch.zeros(layout.shard_numel)
+    shard_of_values(layout, values, shard)
+    if not layout.is_sharded:
+        return shard
+    unsharded = layout.new_unsharded(torch.float32, torch.device("cpu"))
+    layout.all_gather(unsharded, shard, dist.group.WORLD, "").wait()
+    return unsharded
+
+
+def _full_values_round_trip(kind):
+    layout = LAYOUTS[kind](dist.get_rank(), dist.get_world_size())
+    values = _values(0)
+    return [torch.equal(got, want) for got, want in zip(layout.unflatten(_unsharded_of(layout, values)), values)]
+
+
+def _gather_fills_flatten(kind):
+    layout = LAYOUTS[kind](dist.get_rank(), dist.get_world_size())
+    values = _values(1)
+    flattened = layout.flatten(values)
+    return [torch.equal(got, want) for got, want in zip(layout.unflatten(_unsharded_of(layout, values)),
+                                                         layout.unflatten(flattened))]
+
+
+def _reduction_leaves_each_rank_its_part_of_the_sum(kind):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    layout = LAYOUTS[kind](rank, world)
+    grads = [_values(10 + r) for r in range(world)]  # every rank's gradient, known everywhere
+    unsharded_grad = layout.flatten(grads[rank])
+    summed = [sum(grad[i] for grad in grads) for i in range(len(SHAPES))]
+    expected = torch.zeros(layout.shard_numel)
+    shard_of_values(layout, summed, expected)
+    reduce_input = layout.reduce_input(unsharded_grad)
+    if layout.is_sharded:
+        reduced = reduce_input.new_empty(layout.shard_numel)
+        comm.reduce_scatter_into(reduced, reduce_input, dist.group.WORLD, "").wait()
+    else:
+        reduced = reduce_input
+        comm.all_reduce(reduced, dist.group.WORLD, "").wait()
+    return [torch.allclose(got, want, atol=1e-6) for got, want in zip(layout.local_views(reduced), layout.local_views(expected))]
+
+
+def _rows_come_out_and_go_back(kind):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    layout = LAYOUTS[kind](rank, world)
+    values = _values(2)
+    shard = torch.zeros(layout.shard_numel)
+    shard_of_values(layout, values, shard)
+    rows = layout.rows_of(shard, dist.group.WORLD)
+    row_world, row_rank = (world, rank) if layout.is_sharded else (1, 0)
+    expected = [_chunk(value, row_rank, row_world) for value in values]
+    loaded = torch.zeros(layout.shard_numel)
+    layout.load_rows(rows, loaded, dist.group.WORLD)
+    return ([torch.equal(got, want) for got, want in zip(rows, expected)],
+            [torch.equal(got, want) for got, want in zip(layout.local_views(loaded), layout.local_views(shard))])
+
+
+def _chunk(value, rank, world):
+    """This rank's dim-0 rows as DTensor's ``Shard(0)`` holds them (``torch.chunk``'s, empty past the end)."""
+    rows = -(-value.shape[0] // world) if value.shape[0] else 0
+    start = min(rank * rows, value.shape[0])
+    return value[start : min(start + rows, value.shape[0])]
+
+
+ALL = [True] * len(SHAPES)
+
+
+@pytest.mark.parametrize("kind", sorted(LAYOUTS))
+def test_full_values_go_into_the_shard_and_come_back_through_the_gather(kind):
+    for matches in run_on_ranks(2, _full_values_round_trip, kind):
+        assert matches == ALL
+
+
+@pytest.mark.parametrize("kind", sorted(LAYOUTS))
+def test_the_gather_fills_what_flatten_lays_out(kind):
+    for matches in run_on_ranks(2, _gather_fills_flatten, kind):
+        assert matches == ALL
+
+
+@pytest.mark.parametrize("kind", sorted(LAYOUTS))
+def test_the_reduction_input_leaves_each_rank_its_part_of_the_summed_gradient(kind):
+    for matches in run_on_ranks(2, _reduction_leaves_each_rank_its_part_of_the_sum, kind):
+        assert matches == ALL
+
+
+@pytest.mark.parametrize("kind", sorted(LAYOUTS))
+def test_each_parameters_rows_come_out_of_the_shard_and_go_back(kind):
+    for rows_match, loaded_match in run_on_ranks(2, _rows_come_out_and_go_back, kind):
+        assert rows_match == ALL
+        assert loaded_match == ALL
