@@ -2,3 +2,8 @@
 ``UnshardHandle``; what turns a mesh and FSDP2's arguments into engine parts.
 
 Its rule: it imports the engine, the state dicts and ``api``; never the FullyShardedDataParallel front."""
+
+from .fully_shard import fully_shard
+from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
+
+__all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method", "share_comm_ctx"]
