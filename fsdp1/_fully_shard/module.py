@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .._engine.common import TrainingState
-from .._engine.flat_param import HandleState
+from .._engine.flat_param import RESTING
 from .._engine.unit_state import UnitState, state_of
 from .._engine.unshard import summon_full_params
 
@@ -28,7 +28,7 @@ class UnshardHandle:
 
     def wait(self) -> None:
         state, self._state = self._state, None
-        if state is not None and state.handle is not None and state.handle.state is not HandleState.SHARDED:
+        if state is not None and state.handle is not None and state.handle.state not in RESTING:
             state.handle.wait_unshard()
             state.handle.use_resting_views()  # fully_shard's at rest while gathered: the unsharded parameters
 
