@@ -11,7 +11,7 @@ blocks first, then the root, whose first forward makes it the root of every unit
 
 import warnings
 from collections import OrderedDict
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
+from typing import Any, Callable, List, Optional, Set, Tuple, Union
 
 import torch
 from torch import nn
@@ -20,8 +20,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from .._engine import collectives as comm
 from .._engine.collectives import ProcessGroups
-from .._engine.common import TrainingState
-from .._engine.dtensors import RowSharding, viewing
+from .._engine.dtensors import RowSharding
 from .._engine.flat_grad import ReduceSettings
 from .._engine.flat_param import FlatParamHandle
 from .._engine.layout import RowShardLayout
@@ -30,6 +29,7 @@ from .._engine.schedule import UnitSchedule
 from .._engine.traversal import FSDP_STATE, ParamSlot, is_fsdp_unit, iter_outermost_units, iter_param_slots
 from .._engine.unit_state import UnitState, state_of
 from .._engine.views import FLATTENED
+from .._state_dict.fully_shard_hooks import register_fully_shard_hooks
 from ..api import (
     CPUOffloadPolicy,
     DataParallelMeshDims,
@@ -123,7 +123,7 @@ def fully_shard(
                 assert isinstance(inner_state.handle.views, DTensorParamViews), "fully_shard's handle"
                 inner_state.handle.views.name_member(inner, path)
         if handle is not None:
-            _register_state_dict_hooks(each, handle)
+            register_fully_shard_hooks(each, handle, views.sharding)
         each.__class__ = _fsdp_class(type(each))
         _register_as_fully_shard(each)
     return modules if isinstance(module, list) else module
@@ -322,41 +322,3 @@ def _sharded_elsewhere(module: nn.Module) -> Callable[[nn.Parameter], Optional[s
         return None
 
     return path_of
-
-
-def _register_state_dict_hooks(module: nn.Module, handle: FlatParamHandle) -> None:
-    """``state_dict()`` reads the sharded DTensors (a module kept gathered reshards first, as torch's;
-    each wrapper is rebuilt so that ``torch.save`` takes it);
-    ``load_state_dict()`` copies DTensors into them in place, also takes plain full tensors (each
-    rank keeps its rows; torch's refuses them, pytorch#136336); what ``assign=True`` registers is
-    taken at the next use (a forward, a state dict, a conversion), as torch's takes it at lazy init."""
-    views, layout = handle.views, handle.layout
-    assert isinstance(views, DTensorParamViews) and isinstance(layout, RowShardLayout), "fully_shard's handle"
-    index_of = {id(slot.live_param): index for index, slot in enumerate(views.slots)}
-    own = [(slot.fqn, index_of[id(slot.param)]) for slot in iter_param_slots(module, stop=is_fsdp_unit) if id(slot.param) in index_of]
-    state = state_of(module)
-
-    def before_save(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        if state.training_state is TrainingState.IDLE:
-            state.materialize_replaced()
-            handle.write_back_orig_params()
-            handle.reshard()
-
-    def before_load(module: nn.Module, state_dict: Dict[str, Any], prefix: str, *args: Any) -> None:
-        handle.reshard()
-        for fqn, index in own:
-            key = prefix + fqn
-            value = state_dict.get(key)
-            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == layout.shapes[index]:
-                start, end = layout.held_rows(index)
-                state_dict[key] = views.sharding.dtensor(value[start:end], layout.shapes[index])
-
-    def after_save(module: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Any) -> None:
-        for fqn, _ in own:  # ``state_dict()`` detached them, which gives each wrapper its view's offset
-            value = state_dict.get(prefix + fqn)
-            if isinstance(value, DTensor) and value.storage_offset() != 0:
-                state_dict[prefix + fqn] = viewing(value._local_tensor, value._spec)
-
-    module.register_state_dict_pre_hook(before_save)
-    module.register_state_dict_post_hook(after_save)
-    module.register_load_state_dict_pre_hook(before_load)
