@@ -37,8 +37,9 @@ from ..api import (
     MixedPrecisionPolicy,
     OffloadPolicy,
 )
-from .dtensor_views import DTensorParamViews, PostForwardRows
+from .dtensor_views import DTensorParamViews
 from .module import FSDPModule, _fsdp_class
+from .post_forward import PostForwardRows
 
 
 def fully_shard(
