@@ -12,7 +12,7 @@ The hooks run eagerly under ``torch.compile``: dynamo breaks the graph at each o
 the module bodies between (``eager_only``).
 """
 
-from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -23,6 +23,7 @@ from . import collectives as comm
 from .common import TrainingState
 from .device import move_to_device
 from .flat_param import RESTING, FlatParamHandle
+from .group_forward import GroupForward
 from .mixed_precision import cast_floating_tensors
 from .runtime import RootState, WeakPartial, current_graph_task, eager_only, inside_backward
 from .schedule import UnitSchedule
@@ -65,7 +66,7 @@ class UnitState:
         self.forwards_awaiting_gradient = 0  # forwards since the last backward whose split no gradient reached yet
         self._has_post_backward_hook = False
         self._submodule_forward: Optional[nn.Module] = None  # a submodule called from outside, running
-        self._group_forward: Optional[_GroupForward] = None  # a unit of several modules: its forward hooks
+        self._group_forward: Optional[GroupForward] = None  # a unit of several modules: its forward hooks
         for module in (owner, *self.also_hooked):
             module.__dict__[FSDP_STATE] = self
         self.register_post_backward_hook()
@@ -200,7 +201,7 @@ class UnitState:
         inside a nested unit that uses a tied parameter this unit holds counts as one of its submodules."""
         modules = (self.hooked, *self.also_hooked)
         if self.also_hooked:
-            self._group_forward = _GroupForward(self, modules)
+            self._group_forward = GroupForward(self, modules)
         else:
             self.hooked.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
             self.hooked.register_forward_hook(self.post_forward)
@@ -340,9 +341,13 @@ class UnitState:
             self.training_state = TrainingState.IDLE
             if self.is_root and not inside_backward():
                 for unit in reversed(self.root_state.units):
-                    if unit._group_forward is not None and unit._group_forward.is_incomplete:
-                        output = unit._group_forward.finish(output)
+                    output = unit.finish_incomplete_forward(output)
             return output
+
+    def finish_incomplete_forward(self, output: Any) -> Any:
+        """A unit of several modules some of which the forward skipped ends its forward with the root's."""
+        group = self._group_forward
+        return group.finish(output) if group is not None and group.is_incomplete else output
 
     def cast_output(self, output: Any) -> Any:
         """fully_shard's ``MixedPrecisionPolicy.output_dtype``."""
@@ -434,50 +439,6 @@ class UnitState:
         self.forwards_awaiting_gradient = 0
         if self._group_forward is not None:
             self._group_forward.clear()
-
-
-class _GroupForward:
-    """The forward hooks of a unit made of several modules: its forward begins when the first of them
-    runs and ends once each has run, as torch's FSDP2 groups them (one gather, one set of views, so
-    that backward accumulates the unit's gradient once). Every module's floating-point inputs are
-    cast (``cast_forward_inputs``) and its outputs too (``output_dtype``). A forward in which some
-    module did not run (the model's forward skipped the loss head, which runs per chunk after it)
-    ends with the root's forward (``finish``); a module called on its own after that begins a forward
-    of the group that the end of its backward closes (``clear``)."""
-
-    def __init__(self, state: UnitState, modules: Sequence[nn.Module]) -> None:
-        self._state = state
-        self._modules = modules
-        self._to_run: Set[int] = set()
-        for module in modules:
-            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
-            module.register_forward_hook(self._post_forward)
-
-    @property
-    def is_incomplete(self) -> bool:
-        return bool(self._to_run)
-
-    def clear(self) -> None:
-        self._to_run.clear()
-
-    def finish(self, output: Any) -> Any:
-        """End a forward some module of the group did not run in, on ``output`` (the root's)."""
-        self._to_run.clear()
-        return self._state.post_forward(self._modules[0], (), output)
-
-    def _pre_forward(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]
-                     ) -> Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]]:
-        if self._to_run and self._state.training_state is not TrainingState.IDLE:
-            return self._state.cast_inputs(args, kwargs)
-        self._to_run = {id(m) for m in self._modules}
-        return self._state.pre_forward(module, args, kwargs)
-
-    def _post_forward(self, module: nn.Module, args: Tuple[Any, ...], output: Any) -> Any:
-        if id(module) in self._to_run:
-            self._to_run.discard(id(module))
-            if not self._to_run:
-                return self._state.post_forward(module, args, output)
-        return self._state.cast_output(output)
 
 
 def _gather(handle: FlatParamHandle) -> None:
