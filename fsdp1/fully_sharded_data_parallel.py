@@ -20,8 +20,10 @@ from ._engine.common import TrainingState
 from ._engine.device import materialization_device, resolve_compute_device
 from ._engine.flat_grad import CommHook
 from ._engine.flat_param import FlatParamHandle
+from ._engine.flat_views import FlatParamViews
 from ._engine.layout import FlatShardLayout
 from ._engine.mixed_precision import HandlePrecision, checked_precision
+from ._engine.orig_views import OrigParamViews
 from ._engine.runtime import RootState
 from ._engine.traversal import (
     FSDP_WRAPPED_MODULE,
@@ -34,7 +36,6 @@ from ._engine.traversal import (
 )
 from ._engine.unit_state import UnitState, state_of
 from ._engine.unshard import summon_full_params
-from ._engine.views import make_views
 from ._state_dict import state_dict as _state_dict
 from ._state_dict.settings import state_dicts_of
 from ._wrapper import clip_grad as _clip_grad
@@ -197,7 +198,7 @@ class FullyShardedDataParallel(nn.Module, OptimStateDictAPI):
                 initialize(slots)
             return None, compute_device
         is_sharded = strategy in SHARDED_STRATEGIES and self.world_size > 1
-        views = make_views(slots, module, use_orig_params)
+        views = OrigParamViews(slots, module) if use_orig_params else FlatParamViews(slots, module)
         precision = HandlePrecision.of(mixed_precision, slots[0].live_param.dtype)
         layout = FlatShardLayout(views.shapes, views.aligned_numel(precision.param_dtype), self.rank, self.world_size, is_sharded)
         handle = FlatParamHandle(

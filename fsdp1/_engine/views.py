@@ -1,20 +1,12 @@
-"""What a unit's modules hold under their original parameter names, in each phase of the unit.
+"""``ParamViews``: what a unit's modules hold under their original parameter names, in each phase
+of the unit. Its kinds: ``OrigParamViews`` (``orig_views``: the original Parameters stay, viewing the
+shard), ``FlatParamViews`` (``flat_views``: the FlatParameter in their place) and the ``fully_shard``
+front's ``DTensorParamViews``; the front that builds a unit chooses its kind.
 
-Two behaviours behind one interface, chosen by ``use_orig_params``:
-
-* ``OrigParamViews`` (True): the original ``nn.Parameter`` objects stay registered; at rest they
-  view this rank's part of the shard (an optimizer built on ``model.parameters()`` steps them, and
-  their ``.grad`` views the sharded gradient); during computation the modules hold views of the
-  unsharded flat parameter.
-* ``FlatParamViews`` (False): the original Parameters leave the modules and the FlatParameter joins
-  the unit's module, so ``parameters()`` yields it alone; the original names hold views of the
-  unsharded buffer while it is alive, and placeholders that raise a clear error on use while it is
-  freed.
-
-Both keep the registrations (``ParamSlot``: a tied parameter has several, a module registered under
-two names has aliases) and assign through a module's own ``__setattr__`` where its class defines one
-(``_register``). The handle decides *when* each phase begins; these classes decide *what* the
-modules hold then.
+Every kind keeps the registrations (``ParamSlot``: a tied parameter has several, a module registered
+under two names has aliases) and assigns through a module's own ``__setattr__`` where its class
+defines one (``_register``). The handle decides *when* each phase begins; the views decide *what*
+the modules hold then.
 """
 
 import contextlib
@@ -28,8 +20,6 @@ import torch
 from torch import nn
 
 from .layout import ParamLayout
-from .placeholder import ShardedParamPlaceholder
-from .shard_math import ALIGNMENT_BYTES
 from .traversal import ParamSlot, split_registrations
 
 FLAT_PARAM = "_flat_param"
@@ -295,234 +285,6 @@ class ParamViews(ABC):
         yield
 
 
-class OrigParamViews(ParamViews):
-    """use_orig_params=True: the original Parameters stay, viewing the shard at rest."""
-
-    use_orig_params = True
-
-    as_parameters = True
-
-    def __init__(self, slots: Sequence[ParamSlot], owner: nn.Module) -> None:
-        # frozen parameters last, so that the trainable ones' gradient is contiguous
-        super().__init__(sorted(slots, key=lambda slot: not slot.live_param.requires_grad), owner)
-        self._resting_views: List[torch.Tensor] = []  # what the originals view at rest
-        self._grad_views: List[Optional[torch.Tensor]] = []  # what their .grad views of the optimizer's gradient
-
-    def aligned_numel(self, dtype: torch.dtype) -> int:
-        return ALIGNMENT_BYTES // dtype.itemsize
-
-    @property
-    def span_requires_grad(self) -> Tuple[bool, ...]:
-        return self.requires_grad
-
-    def install_initial(self, flat_param: nn.Parameter, shard: torch.Tensor, unsharded: torch.Tensor, layout: ParamLayout) -> None:
-        self._manage()
-        self.repoint(shard, layout)
-
-    def repoint(self, shard: torch.Tensor, layout: ParamLayout) -> None:
-        self._resting_views = layout.local_views(shard)
-        with torch.no_grad():
-            for slot, view in zip(self.slots, self._resting_views):
-                slot.live_param.data = view
-
-    def _show_originals(self) -> None:
-        """The original Parameters under their names again, also where the caller assigned another."""
-        for slot in self.all_slots():
-            self._register(slot, slot.live_param, as_parameter=True, through_setattr=True)
-
-    def show_resting(self, unsharded: torch.Tensor, layout: ParamLayout) -> None:
-        self._show_originals()
-
-    def show_sharded(self, shard: torch.Tensor, layout: ParamLayout) -> None:
-        self._show_originals()
-
-    def show_kept_gathered(self) -> None:
-        self._show_originals()
-
-    def sync_requires_grad(self) -> Optional[Tuple[bool, ...]]:
-        requires_grad = tuple(slot.live_param.requires_grad for slot in self.slots)
-        if requires_grad == self.requires_grad:
-            return None
-        self.requires_grad = requires_grad
-        return requires_grad
-
-    def take_user_changes(self, is_gathered_for_backward: bool, layout: ParamLayout) -> bool:
-        """As torch's: a new ``Parameter`` assigned in an original's place (it becomes the original;
-        its gradient starts empty) or new ``.data`` assigned to one. Either must have the shape the
-        parameter has at rest (its 1-D part of this rank's shard when sharded); anything else would
-        be dropped silently, so it raises. Between a forward and its backward while the unit stays
-        gathered the backward computes on the gathered values, so a change there is refused
-        (``is_gathered_for_backward``). One identity and one pointer check per parameter when
-        nothing changed."""
-        written = False
-        for index, (slot, view) in enumerate(zip(self.slots, self._resting_views)):
-            current = slot.module._parameters.get(slot.attr)
-            if current is None:  # deregistered for a while (a client's own checkpointing)
-                continue
-            if current is slot.param and (view.numel() == 0 or current.data_ptr() == view.data_ptr()):
-                continue
-            where = self.clean_fqn(slot)
-            if is_gathered_for_backward:
-                raise AssertionError(
-                    f"fsdp1: parameter '{where}' was changed between forward and backward; FSDP does not "
-                    "support changing the parameters between forward and backward for a unit that stays "
-                    "gathered for its backward (the root, and every unit under SHARD_GRAD_OP). Change it "
-                    "after backward()."
-                )
-            if current.shape != view.shape:
-                raise RuntimeError(
-                    f"fsdp1: Cannot writeback when the parameter shape changes: '{where}' is {tuple(current.shape)} "
-                    f"on rank {layout.rank} but its part of this rank's shard is {tuple(view.shape)}. Assign values "
-                    "inside summon_full_params() (full shapes), or keep the shape the parameter has now."
-                )
-            with torch.no_grad():  # through ``.data``: the shard's version counter is the flat parameter's
-                view.data.copy_(current.detach())
-            if current is not slot.param:
-                self._adopt_param(index, current)
-            current.data = view
-            written = True
-        for slot, primary in self.shared_slots:
-            if slot.module._parameters.get(slot.attr, self.slots[primary].param) is not self.slots[primary].param:
-                raise NotImplementedError(
-                    f"fsdp1: '{self.clean_fqn(slot)}' and '{self.clean_fqn(self.slots[primary])}' shared one parameter when the unit was "
-                    "built, and one of them was replaced since; changing shared parameters after wrapping is "
-                    "not supported. Assign new values in place (param.data.copy_(...)) instead."
-                )
-        return written
-
-    def show_grads(self, grad: Optional[torch.Tensor], layout: ParamLayout, start: int) -> None:
-        """Views of ``grad`` on the original parameters (``None`` for frozen ones and for those with no
-        element in this rank's shard, as torch's)."""
-        if grad is None:
-            self._grad_views = []
-            for slot in self.slots:
-                slot.live_param.grad = None
-            return
-        self._grad_views = [
-            layout.local_view(grad, index, start) if requires_grad and info.in_shard else None
-            for index, (info, requires_grad) in enumerate(zip(layout.shard_infos, self.requires_grad))
-        ]
-        for slot, view in zip(self.slots, self._grad_views):
-            assign_grad(slot.live_param, view)
-
-    def show_unreduced_grads(self, flat_grad: Optional[torch.Tensor], layout: ParamLayout) -> None:
-        """Each original parameter's ``.grad`` is its full-shape part of the local sum, as torch's shows
-        it, for code that reads or clips gradients between micro-batches. Remade after every backward:
-        autograd may replace the accumulated tensor instead of adding into it."""
-        assert flat_grad is not None, "FSDP1 keeps the local sum on the flat parameter"
-        self._grad_views = []  # not the optimizer's gradient: nothing to write back into it
-        for slot, grad, requires_grad in zip(self.slots, layout.unflatten(flat_grad), self.requires_grad):
-            assign_grad(slot.live_param, grad if requires_grad else None)
-
-    def every_grad_dropped(self) -> bool:
-        return all(slot.live_param.grad is None for slot in self.slots)
-
-    def take_user_grads(self) -> bool:
-        if not self._grad_views:
-            return True
-        if self.every_grad_dropped():  # zero_grad(): nothing to keep
-            return False
-        any_grad = False
-        with torch.no_grad():
-            for slot, view in zip(self.slots, self._grad_views):
-                if view is None:
-                    continue
-                grad = slot.live_param.grad
-                if grad is None:
-                    view.zero_()
-                    continue
-                any_grad = True
-                if grad is not view:
-                    view.copy_(grad)
-        return any_grad
-
-    def expose_full(self, flat_param: nn.Parameter, views: List[torch.Tensor]) -> List[nn.Parameter]:
-        exposed = self.orig_params()
-        for param, view in zip(exposed, views):
-            param.data = view
-        self._show_originals()
-        return exposed
-
-    def hide_full(self, flat_param: nn.Parameter, shard: torch.Tensor, layout: ParamLayout) -> None:
-        self.repoint(shard, layout)
-        self._show_originals()
-
-    def adopt_replaced(self, exposed: List[nn.Parameter], registered: List[nn.Parameter]) -> None:
-        for index, (param, current) in enumerate(zip(exposed, registered)):
-            if current is not param:
-                self._adopt_param(index, current)
-
-    @contextlib.contextmanager
-    def flat_param_registered(self, flat_param: nn.Parameter, shard: torch.Tensor, layout: ParamLayout) -> Iterator[None]:
-        self._register_flat_param(flat_param)
-        try:
-            yield
-        finally:
-            del self.owner._parameters[FLAT_PARAM]
-            self._show_originals()
-
-
-class FlatParamViews(ParamViews):
-    """use_orig_params=False: the FlatParameter replaces the originals in ``parameters()``."""
-
-    use_orig_params = False
-
-    as_parameters = False
-
-    def __init__(self, slots: Sequence[ParamSlot], owner: nn.Module) -> None:
-        super().__init__(slots, owner)
-        self._placeholders: List[torch.Tensor] = []
-
-    def aligned_numel(self, dtype: torch.dtype) -> int:
-        return 0
-
-    @property
-    def span_requires_grad(self) -> Tuple[bool, ...]:
-        return (True,) * len(self.slots)  # one requires_grad for the whole flat parameter
-
-    def install_initial(self, flat_param: nn.Parameter, shard: torch.Tensor, unsharded: torch.Tensor, layout: ParamLayout) -> None:
-        self._manage()
-        self.repoint(shard, layout)
-        self._register_flat_param(flat_param)
-        # the originals are dropped, so that their full-size storage is freed
-        self.slots = tuple(dataclasses.replace(slot, param=None) for slot in self.slots)
-        self.shared_slots = tuple((dataclasses.replace(slot, param=None), i) for slot, i in self.shared_slots)
-        self.install(layout.unflatten(unsharded.detach()), as_parameters=False)
-
-    def repoint(self, shard: torch.Tensor, layout: ParamLayout) -> None:
-        self._shard = shard
-        self._placeholders = [ShardedParamPlaceholder(self.clean_fqn(s), shape, shard) for s, shape in zip(self.slots, layout.shapes)]
-
-    def set_path(self, path: str, layout: ParamLayout, is_resharded: bool) -> None:
-        super().set_path(path, layout, is_resharded)
-        self.repoint(self._shard, layout)  # the placeholders name the parameters by the new path
-        if is_resharded and layout.is_sharded:
-            self.install(self._placeholders, as_parameters=False)
-
-    def show_resting(self, unsharded: torch.Tensor, layout: ParamLayout) -> None:
-        self.install(layout.unflatten(unsharded.detach()), as_parameters=False)
-
-    def show_sharded(self, shard: torch.Tensor, layout: ParamLayout) -> None:
-        if layout.is_sharded:
-            self.install(self._placeholders, as_parameters=False)
-        else:  # views of the shard, which is the whole parameter (an offloaded one's device copy is freed)
-            self.show_resting(shard, layout)
-
-    def show_kept_gathered(self) -> None:
-        pass  # the forward's views stay: their storage is alive
-
-    def expose_full(self, flat_param: nn.Parameter, views: List[torch.Tensor]) -> List[nn.Parameter]:
-        exposed = [nn.Parameter(view, requires_grad=flat_param.requires_grad) for view in views]
-        del self.owner._parameters[FLAT_PARAM]
-        for slot in self.all_slots():
-            del slot.module.__dict__[slot.attr]
-        self.install(exposed, as_parameters=True)
-        return exposed
-
-    def hide_full(self, flat_param: nn.Parameter, shard: torch.Tensor, layout: ParamLayout) -> None:
-        self._register_flat_param(flat_param)
-
-
 def assign_grad(param: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
     """``param.grad = grad``, also for a gradient kept in lower precision than the parameter
     (keep_low_precision_grads) or of the full shape while the parameter is a shard (``no_sync``),
@@ -533,8 +295,3 @@ def assign_grad(param: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
         return
     param.grad = torch.empty(1, dtype=param.dtype, device=param.device).expand(param.shape)
     param.grad.data = grad
-
-
-def make_views(slots: Sequence[ParamSlot], owner: nn.Module, use_orig_params: bool) -> ParamViews:
-    return OrigParamViews(slots, owner) if use_orig_params else FlatParamViews(slots, owner)
-

@@ -19,8 +19,9 @@ from torch.distributed.tensor import DTensor
 
 from .._engine.dtensors import RowSharding, viewing
 from .._engine.layout import ParamLayout
+from .._engine.orig_views import OrigParamViews
 from .._engine.traversal import ParamSlot
-from .._engine.views import FLATTENED, OrigParamViews
+from .._engine.views import FLATTENED
 
 if TYPE_CHECKING:
     pass
