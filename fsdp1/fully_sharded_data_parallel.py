@@ -22,7 +22,7 @@ from ._engine.flat_grad import CommHook
 from ._engine.flat_param import FlatParamHandle
 from ._engine.flat_views import FlatParamViews
 from ._engine.layout import FlatShardLayout
-from ._engine.mixed_precision import HandlePrecision, checked_precision
+from ._engine.mixed_precision import HandlePrecision
 from ._engine.orig_views import OrigParamViews
 from ._engine.runtime import RootState
 from ._engine.traversal import (
@@ -41,6 +41,7 @@ from ._state_dict.settings import state_dicts_of
 from ._wrapper import clip_grad as _clip_grad
 from ._wrapper.initial_values import MetaInit, check_param_init_fn, check_same_values, move_to_compute_device
 from ._wrapper.initial_values import sync_module_states as sync_states_from_first
+from ._wrapper.mixed_precision import checked_precision
 from ._wrapper.optim_state_dict_api import OptimStateDictAPI, OptimStateKeyType
 from ._wrapper.process_groups import (
     HYBRID_STRATEGIES,

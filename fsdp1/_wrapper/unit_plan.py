@@ -15,7 +15,6 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, ca
 from torch import nn
 
 from .._engine.flat_param import FlatParameter, FlatParamHandle
-from .._engine.mixed_precision import plan_full_precision_modules
 from .._engine.traversal import (
     ParamSlot,
     clean_fqn,
@@ -27,6 +26,7 @@ from .._engine.traversal import (
 )
 from .._engine.views import FLATTENED
 from ..wrap import AutoWrapPolicy, apply_wrap, children_first, plan_auto_wrap
+from .mixed_precision import plan_full_precision_modules
 
 
 class IgnoredStates:
