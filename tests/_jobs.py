@@ -1,5 +1,5 @@
 """Whole jobs of 2–4 ranks in fresh processes, for tests that break their process group on purpose
-(README's reliability cases R and H): a hang, a crash, a desync. The rank pool cannot serve them, since its group
+(docs/reliability.md, cases R and H): a hang, a crash, a desync. The rank pool cannot serve them, since its group
 would be reused after the break. Each job runs a test's script body after a preamble that joins a
 gloo group with a short timeout; each rank ``report()``s what it saw to a JSON file. A hang is killed
 whole at the deadline and counted, and the test checks that no process outlived the job. The body

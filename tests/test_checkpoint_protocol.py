@@ -1,4 +1,4 @@
-"""Tests ``fsdp1.checkpoint`` (README's reliability cases C1–C14):
+"""Tests ``fsdp1.checkpoint`` (docs/reliability.md, cases C1–C14):
 a checkpoint is committed (its manifest written last, after every rank wrote its part) or it is not
 one; a committed one is never written into, and every file is checked against the manifest before
 anything is loaded, so a truncated or bit-flipped file is an error naming it on every rank instead

@@ -1,5 +1,5 @@
 """Tests that ranks which drive fsdp1 differently get a named error instead of silently wrong
-training (README's reliability cases). H4: units run in a rank-dependent order
+training (docs/reliability.md). H4: units run in a rank-dependent order
 with equal shapes pair different units' shards in every all-gather without any collective failing;
 torch's FSDP1 trains on silently (and its DETAIL check crashes with use_orig_params=True)."""
 

@@ -577,7 +577,7 @@ def _local_shards_saved_with_safetensors(impl, directory):
     block = [v for k, v in locals_.items() if k.startswith("blocks.0.") and v.numel()]
     shares_storage = len({v.untyped_storage().data_ptr() for v in block}) == 1
     path = os.path.join(directory, f"{impl}_{dist.get_rank()}.safetensors")
-    save_file({k: v.clone() for k, v in locals_.items()}, path)  # fsdp1's need the clone: see README "Differences"
+    save_file({k: v.clone() for k, v in locals_.items()}, path)  # fsdp1's need the clone: see docs/fully_shard.md, "Differences"
     return shares_storage, load_file(path)
 
 

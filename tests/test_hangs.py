@@ -1,5 +1,5 @@
 """Tests that a rank which fails, stops, or drives fsdp1 differently from the others gives an error on
-every rank instead of a hang or silently wrong training (README's reliability cases H1–H3,
+every rank instead of a hang or silently wrong training (docs/reliability.md, cases H1–H3,
 H5, H8, H9, and C14). Each case is a whole job in fresh processes with a 2 s gloo timeout
 (``_jobs.run_job``), since it breaks its process group on purpose; a job that hangs is killed and
 fails the test, and no process may outlive its job."""

@@ -1,4 +1,4 @@
-"""Tests crash and resume under ``torchrun --max-restarts`` (README's reliability cases R1–R5). The job trains with dropout, a learning-rate schedule and
+"""Tests crash and resume under ``torchrun --max-restarts`` (docs/reliability.md, cases R1–R5). The job trains with dropout, a learning-rate schedule and
 a data position, and checkpoints through ``fsdp1.checkpoint`` every 2 steps the model, the optimizer,
 the schedule, the step and each rank's RNG state; a resumed run must draw the same batches and
 dropout masks and produce the same losses, bit for bit, as one never interrupted."""
@@ -9,7 +9,7 @@ from _jobs import failed, run_job
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
-RESTARTS = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # gloo restarts on torch 2.13 (README, Reliability)
+RESTARTS = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # gloo restarts on torch 2.13 (docs/reliability.md)
 
 TRAINING = '''
 from pathlib import Path
