@@ -72,19 +72,24 @@ def _reduction_leaves_each_rank_its_part_of_the_sum(kind):
     return [torch.allclose(got, want, atol=1e-6) for got, want in zip(layout.local_views(reduced), layout.local_views(expected))]
 
 
-def _rows_come_out_and_go_back(kind):
+def _rows_come_out(kind):
     rank, world = dist.get_rank(), dist.get_world_size()
     layout = LAYOUTS[kind](rank, world)
     values = _values(2)
     shard = torch.zeros(layout.shard_numel)
     shard_of_values(layout, values, shard)
-    rows = layout.rows_of(shard, dist.group.WORLD)
     row_world, row_rank = (world, rank) if layout.is_sharded else (1, 0)
     expected = [_chunk(value, row_rank, row_world) for value in values]
+    return [torch.equal(got, want) for got, want in zip(layout.rows_of(shard, dist.group.WORLD), expected)]
+
+
+def _rows_go_back(kind):
+    layout = LAYOUTS[kind](dist.get_rank(), dist.get_world_size())
+    shard = torch.zeros(layout.shard_numel)
+    shard_of_values(layout, _values(3), shard)
     loaded = torch.zeros(layout.shard_numel)
-    layout.load_rows(rows, loaded, dist.group.WORLD)
-    return ([torch.equal(got, want) for got, want in zip(rows, expected)],
-            [torch.equal(got, want) for got, want in zip(layout.local_views(loaded), layout.local_views(shard))])
+    layout.load_rows(layout.rows_of(shard, dist.group.WORLD), loaded, dist.group.WORLD)
+    return [torch.equal(got, want) for got, want in zip(layout.local_views(loaded), layout.local_views(shard))]
 
 
 def _chunk(value, rank, world):
@@ -96,27 +101,17 @@ def _chunk(value, rank, world):
 
 ALL = [True] * len(SHAPES)
 
+PROPERTIES = {
+    "full values go into the shard and come back through the gather": _full_values_round_trip,
+    "the gather fills what flatten lays out": _gather_fills_flatten,
+    "the reduction's input leaves each rank its part of the summed gradient": _reduction_leaves_each_rank_its_part_of_the_sum,
+    "each parameter's rows come out of the shard as DTensor's Shard(0) holds them": _rows_come_out,
+    "rows loaded into an empty shard give the shard back": _rows_go_back,
+}
 
+
+@pytest.mark.parametrize("promise", sorted(PROPERTIES))
 @pytest.mark.parametrize("kind", sorted(LAYOUTS))
-def test_full_values_go_into_the_shard_and_come_back_through_the_gather(kind):
-    for matches in run_on_ranks(2, _full_values_round_trip, kind):
-        assert matches == ALL
-
-
-@pytest.mark.parametrize("kind", sorted(LAYOUTS))
-def test_the_gather_fills_what_flatten_lays_out(kind):
-    for matches in run_on_ranks(2, _gather_fills_flatten, kind):
-        assert matches == ALL
-
-
-@pytest.mark.parametrize("kind", sorted(LAYOUTS))
-def test_the_reduction_input_leaves_each_rank_its_part_of_the_summed_gradient(kind):
-    for matches in run_on_ranks(2, _reduction_leaves_each_rank_its_part_of_the_sum, kind):
-        assert matches == ALL
-
-
-@pytest.mark.parametrize("kind", sorted(LAYOUTS))
-def test_each_parameters_rows_come_out_of_the_shard_and_go_back(kind):
-    for rows_match, loaded_match in run_on_ranks(2, _rows_come_out_and_go_back, kind):
-        assert rows_match == ALL
-        assert loaded_match == ALL
+def test_every_layout_keeps_the_contract(kind, promise):
+    for matches in run_on_ranks(2, PROPERTIES[promise], kind):
+        assert matches == ALL  # one True per parameter
