@@ -1,7 +1,7 @@
 """``FullyShardedDataParallel``: the module users wrap their model in.
 
 ``__init__`` is a recipe of named construction steps that ends by giving the unit its ``UnitState``
-(``_unit_state``), which owns the runtime and whose hooks do the work of ``forward``; the public
+(``_engine.unit_state``), which owns the runtime and whose hooks do the work of ``forward``; the public
 methods are thin, and torch's attribute names read the state through properties. Everything here keeps torch FSDP1's names, argument order and defaults, so
 a script written for torch's FSDP1 runs after swapping the import.
 """

@@ -1,10 +1,10 @@
 """FlatParameter and FlatParamHandle: one unit's parameters as one sharded 1-D tensor.
 
 The handle owns the flat parameter's storage and decides when the unit is sharded or unsharded; it
-composes the parts that say what each of those means: the layout (``_layout``: where each parameter
-lies in the shard and the unsharded buffer), the views (``_views``: what the modules hold under the
-original names), the gradient (``_flat_grad``) and the state-dict conversions
-(``_shard_conversions``). Its invariants:
+composes the parts that say what each of those means: the layout (``layout``: where each parameter
+lies in the shard and the unsharded buffer), the views (``views``: what the modules hold under the
+original names), the gradient (``flat_grad``) and the state-dict conversions
+(``shard_conversions``). Its invariants:
 
 * ``_local_shard`` and the sharded ``flat_param`` share one storage, which the optimizer updates in
   place; the all-gather reads ``_local_shard`` so that ``flat_param``'s autograd version counter

@@ -1,6 +1,6 @@
 """``UnitState``: one unit's runtime state, whose methods are the unit's forward and backward hooks.
 The only module that registers a unit's forward and autograd hooks (the full-precision modules of
-mixed precision cast their own inputs and outputs with hooks of ``_mixed_precision``).
+mixed precision cast their own inputs and outputs with hooks of ``_wrapper.mixed_precision``).
 
 A unit is the module that owns the state (``owner``: a ``FullyShardedDataParallel``, or any module
 that holds a ``UnitState`` under ``FSDP_STATE``) and the module whose forward the hooks wrap

@@ -1,5 +1,5 @@
 """torch FSDP1's optimizer-state-dict methods, static methods of the unit class (a base class of
-``FullyShardedDataParallel``), each a thin entry to ``_optim_state_dict``."""
+``FullyShardedDataParallel``), each a thin entry to ``_state_dict.optim_state_dict``."""
 
 from enum import Enum, auto
 from typing import Any, Dict, Optional
