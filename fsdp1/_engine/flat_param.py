@@ -373,8 +373,9 @@ class FlatParamHandle:
         self.views.install(shown, as_parameters=True)
 
     def set_rows_after_forward(self, rows: Optional[RowsAfterForward]) -> None:
-        """What the unit keeps between forward and backward from now on (any rows kept go)."""
-        self.reshard()
+        """What the unit keeps between forward and backward from now on (rows kept now go)."""
+        if self.state is HandleState.SHARDED_POST_FORWARD:
+            self.reshard()
         self._rows_after_forward = rows
 
     def reshard(self) -> None:
