@@ -344,7 +344,9 @@ def piece_in_shard(info: ParamShardInfo, full_value: torch.Tensor) -> torch.Tens
 
 
 def shard_of_values(layout: ParamLayout, values: Sequence[Optional[torch.Tensor]], shard: torch.Tensor) -> None:
-    """Write this rank's part of each full value (None: left as it is) into ``shard`` (laid out as the shard)."""
+    """Write this rank's part of each full value (None: left as it is) into ``shard`` (laid out as the
+    shard). Both layouts hold each parameter's part as one contiguous run of its flattened values
+    (a flat slice, or whole dim-0 rows), which ``piece_in_shard`` cuts."""
     for info, value in zip(layout.shard_infos, values):
         if value is not None and info.in_shard:
             shard[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard] = piece_in_shard(info, value)

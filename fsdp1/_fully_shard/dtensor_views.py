@@ -11,7 +11,7 @@ its unsharded parameters registered.
 """
 
 import weakref
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Set, Tuple, cast
+from typing import Dict, List, Optional, Sequence, Set, Tuple, cast
 
 import torch
 from torch import nn
@@ -22,9 +22,6 @@ from .._engine.layout import ParamLayout
 from .._engine.orig_views import OrigParamViews
 from .._engine.traversal import ParamSlot
 from .._engine.views import FLATTENED
-
-if TYPE_CHECKING:
-    pass
 
 
 class DTensorParamViews(OrigParamViews):
