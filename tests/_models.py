@@ -1,11 +1,13 @@
 """Small models and helpers shared by the multi-rank tests (imported on every rank)."""
 
 import copy
+import warnings
 from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -300,3 +302,176 @@ def train_each(models, steps: int = 3, dtype: torch.dtype = torch.float32, after
             losses[-1].append(loss.item())
             after_step()
     return losses
+
+
+# ------------------------------------------------------------------ fully_shard (torch's FSDP2 API)
+def shard_gpt(model, shard, **kwargs):
+    """Blocks first, then the root, as torch's documentation does."""
+    for block in model.blocks:
+        shard(block, **kwargs)
+    shard(model, **kwargs)
+    return model
+
+
+def torchs_fully_shard():
+    """torch's own ``fully_shard`` (FSDP2), imported on first use."""
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard
+
+
+def local_shards(model):
+    """Copies of this rank's rows of every DTensor parameter of a ``fully_shard`` model."""
+    return [p.to_local().detach().clone() for p in model.parameters()]
+
+
+def fully_shard_pair_trained(mode):
+    """fsdp1's and torch's ``fully_shard`` on the same GPT, trained 3 steps: on a 2-D mesh (``hybrid``),
+    with explicit prefetching (``prefetch``), without resharding (``no_reshard``) or with ln_f and head
+    as one group (``list``). Whether placements match, both losses, whether the shards match."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    from torch.distributed.device_mesh import init_device_mesh
+
+    kwargs = {}
+    if mode == "hybrid":
+        kwargs["mesh"] = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+    if mode == "no_reshard":
+        kwargs["reshard_after_forward"] = False
+    models = []
+    for shard in (fsdp1.fully_shard, torchs_fully_shard()):
+        model = make_gpt()
+        if mode == "list":  # one group of two modules: returned as a list, both swapped
+            kinds = [type(m).__name__ for m in shard([model.ln_f, model.head])]
+        models.append(shard_gpt(model, shard, **kwargs))
+    if mode == "prefetch":
+        for model in models:
+            blocks = list(model.blocks)
+            for i, block in enumerate(blocks):
+                block.set_modules_to_forward_prefetch(blocks[i + 1: i + 2])
+                block.set_modules_to_backward_prefetch(blocks[i - 1: i] if i else [])
+    placements = [p.placements for p in models[0].parameters()] == [p.placements for p in models[1].parameters()]
+    losses = [train(model, 3, world_size, rank) for model in models]
+    same = all(torch.equal(p.to_local(), q.to_local()) for p, q in zip(*(m.parameters() for m in models)))
+    if mode == "list":
+        same = same and kinds == ["FSDPLayerNorm", "FSDPLinear"]
+    return placements, losses, same
+
+
+def fully_shard_against_oracle(pattern):
+    """fully_shard and DDP (or torch's fully_shard) doing the same thing; what each trained."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    results = []
+    for wrap in ("fully_shard", "ddp" if pattern == "optimizer_after_eval" else "torch_fully_shard"):
+        torch.manual_seed(0)
+        if pattern == "meta_init":
+            with torch.device("meta"):
+                model = make_gpt()
+        else:
+            model = make_gpt()
+        if pattern == "frozen_root":  # frozen parts of the root, which stays gathered for backward
+            model.tok.requires_grad_(False)
+            model.head.bias.requires_grad_(False)
+        if wrap == "fully_shard":
+            model = shard_gpt(model, fsdp1.fully_shard)
+        elif wrap == "torch_fully_shard":
+            model = shard_gpt(model, torchs_fully_shard())
+        if pattern == "meta_init":
+            model.to_empty(device="cpu")
+            torch.manual_seed(1)
+            for module in model.modules():
+                if hasattr(module, "reset_parameters"):
+                    module.reset_parameters()
+            with torch.no_grad():
+                model.pos.normal_()
+        model = DDP(model) if wrap == "ddp" else model
+        if pattern == "optimizer_after_eval":  # an evaluation forward before the optimizer exists
+            with torch.no_grad():
+                model(batch(0, rank, world_size)[0])
+        optim = adam(model.parameters())
+        losses = []
+        for step in range(3):
+            loss = lm_loss(model, *batch(step, rank, world_size))
+            loss.backward()
+            if pattern == "optimizer_after_eval":  # a metric before clipping
+                with torch.no_grad():
+                    model(batch(step, rank, world_size)[0])
+                norm = nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+                losses.append(norm.full_tensor().item() if isinstance(norm, DTensor) else norm.item())
+            if pattern == "frozen_root" and step == 1:
+                model_ = model.module if wrap == "ddp" else model
+                model_.head.bias.requires_grad_(True)  # unfrozen between steps
+            optim.step()
+            optim.zero_grad()
+            losses.append(loss.item())
+        named = (model.module if wrap == "ddp" else model).named_parameters()
+        results.append((losses, {n: p.full_tensor() if isinstance(p, DTensor) else p.detach() for n, p in named}))
+    (ours, ours_params), (oracle, oracle_params) = results
+    return ours, oracle, max((ours_params[n] - oracle_params[n]).abs().max().item() for n in oracle_params)
+
+
+# ------------------------------------------------------------------ one script under torch's FSDP1 and under fsdp1
+IMPLEMENTATIONS = ("torch", "fsdp1")
+
+
+def fsdp_api(name):
+    """The package a script imports as ``fsdp``, and the constructor arguments CPU needs there."""
+    if name == "torch":
+        import torch.distributed.fsdp as torch_fsdp
+        import torch.distributed.fsdp.wrap  # noqa: F401 - torch_fsdp.wrap
+
+        return torch_fsdp, {"device_id": torch.device("cpu")}
+    return fsdp1, {}
+
+
+class LinearNet(nn.Module):
+    """Two Linears in a row: the small model the torch-FSDP1-vs-fsdp1 comparisons wrap."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def outcome_of(call):
+    """``call()``'s exception type name (None if it returns) and the warning categories it raised."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            call()
+            raised = None
+        except Exception as error:  # noqa: BLE001 - the type is the result
+            raised = type(error).__name__
+    return raised, sorted({w.category.__name__ for w in caught})
+
+
+def same_values(a, b):
+    """Equal structure and values, tensors bitwise."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_values(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_values(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+    return a == b
+
+
+def fsdp_strategy(name, strategy):
+    """The ``ShardingStrategy`` member of that name in ``name``'s package."""
+    fsdp, _ = fsdp_api(name)
+    return fsdp.ShardingStrategy[strategy]
+
+
+def fsdp_wrapped(name, module, **kwargs):
+    """``module`` wrapped by ``name``'s FullyShardedDataParallel (on CPU)."""
+    fsdp, cpu = fsdp_api(name)
+    return fsdp.FullyShardedDataParallel(module, **cpu, **kwargs)
+
+
+def summoned_full_params(name, model):
+    """Copies of the full parameters, by name, inside ``name``'s ``summon_full_params``."""
+    fsdp, _ = fsdp_api(name)
+    with fsdp.FullyShardedDataParallel.summon_full_params(model):
+        return {n: p.detach().clone() for n, p in model.named_parameters()}

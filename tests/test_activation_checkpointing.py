@@ -1,7 +1,9 @@
 """Tests activation checkpointing in its three forms: ``torch.utils.checkpoint`` inside a unit's forward
 (reentrant and not), torch's ``apply_activation_checkpointing`` after wrapping, and checkpointing
 around a whole unit. Each trains exactly as the same model without checkpointing (and as DDP), and
-lowers peak memory, counted exactly (``LiveStorageTracker``) as rank 0 of a fake process group."""
+lowers peak memory, counted exactly (``LiveStorageTracker``) as rank 0 of a fake process group.
+Under ``fully_shard``, ``apply_activation_checkpointing`` and ``torch.compile`` train like torch's
+``fully_shard`` doing the same."""
 
 import copy
 
@@ -14,8 +16,21 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
+import fsdp1
+
 from _harness import run_on_ranks
-from _models import fsdp1_full_params, max_relative_error, plain_params, relative_errors, wrap_fsdp1
+from _models import Block as GPTBlock
+from _models import (
+    fsdp1_full_params,
+    make_gpt,
+    max_relative_error,
+    plain_params,
+    relative_errors,
+    shard_gpt,
+    torchs_fully_shard,
+    train,
+    wrap_fsdp1,
+)
 from tools.live_memory import LiveStorageTracker
 from tools.memory_estimator import fake_process_group
 
@@ -102,8 +117,10 @@ def _parity(form, strategy, use_orig_params):
 @pytest.mark.parametrize("form", FORMS[:-1])
 def test_checkpointing_trains_exactly_as_without_it(form, strategy, use_orig_params):
     for (checkpointed, plain, ddp), plain_error, ddp_error in run_on_ranks(2, _parity, form, strategy, use_orig_params):
-        assert checkpointed == plain and plain_error == 0.0
-        assert relative_errors(checkpointed, ddp) <= 1e-5 and ddp_error <= 1e-5
+        assert checkpointed == plain
+        assert plain_error == 0.0
+        assert relative_errors(checkpointed, ddp) <= 1e-5
+        assert ddp_error <= 1e-5
 
 
 def peak_bytes(form: str, use_orig_params: bool, world_size: int = 2) -> int:
@@ -122,3 +139,27 @@ def test_checkpointing_lowers_peak_memory(use_orig_params):
     for form in FORMS[:-1]:
         assert peaks[form] < peaks["none"], peaks
 
+
+# ------------------------------------------------------------------- fully_shard: checkpointing and torch.compile
+def _checkpointed_and_compiled(mode):
+    """Activation checkpointing of every block (torch's wrapper, applied after fully_shard) or
+    torch.compile of the whole model: against torch's fully_shard doing the same."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    runs = []
+    for shard in (fsdp1.fully_shard, torchs_fully_shard()):
+        model = shard_gpt(make_gpt(), shard)
+        if mode == "checkpointing":
+            apply_activation_checkpointing(model, check_fn=lambda module: isinstance(module, GPTBlock))
+        runs.append(train(torch.compile(model) if mode == "compile" else model, 3, world_size, rank))
+    return runs
+
+
+@pytest.mark.parametrize("mode", ["checkpointing", "compile"])
+def test_activation_checkpointing_and_torch_compile_train_like_torchs_fully_shard(mode):
+    for ours, theirs in run_on_ranks(2, _checkpointed_and_compiled, mode):
+        if mode == "checkpointing":
+            assert ours == theirs  # bitwise
+        else:  # compiled graphs may fuse differently between the two
+            assert max(abs(a - b) for a, b in zip(ours, theirs)) < 1e-5

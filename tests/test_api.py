@@ -1,5 +1,7 @@
 """Tests the drop-in surface: fsdp1 offers torch's public FSDP names, FSDP1's constructor signature and
-config fields, accepts torch's own enum members, and never imports torch.distributed.fsdp."""
+config fields, accepts torch's own enum members, and never imports torch.distributed.fsdp. For
+``fully_shard`` (torch's FSDP2 API): the exported names, and the signatures of ``fully_shard``, the
+policies and the 23 public methods of ``FSDPModule``, as torch's."""
 
 import dataclasses
 import inspect
@@ -9,6 +11,7 @@ from enum import Enum
 
 import pytest
 import torch.distributed.fsdp as torch_fsdp
+from torch import nn
 from torch.distributed.fsdp import wrap as torch_wrap
 
 import fsdp1
@@ -17,7 +20,8 @@ from fsdp1.api import coerce_enum
 
 def test_every_name_of_torch_is_exported():
     assert sorted(fsdp1.__all__) == sorted(torch_fsdp.__all__)  # FSDP1's and FSDP2's
-    assert hasattr(fsdp1, "FlatParameter") and hasattr(fsdp1, "use_as_torch_fsdp")
+    assert hasattr(fsdp1, "FlatParameter")
+    assert hasattr(fsdp1, "use_as_torch_fsdp")
 
 
 def _normalised_default(value):
@@ -77,3 +81,25 @@ def test_module_wrap_policy_matches_torch_in_both_call_forms():
 def test_library_never_imports_torch_fsdp():
     code = "import sys, fsdp1; print(sorted(m for m in sys.modules if m.startswith('torch.distributed.fsdp')))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"
+
+
+# ------------------------------------------------------------------- fully_shard (torch's FSDP2 API)
+def test_the_names_signatures_and_methods_are_torchs():
+    from torch.distributed import fsdp as torch_fsdp
+
+    for name in ["fully_shard", "FSDPModule", "UnshardHandle", "MixedPrecisionPolicy", "OffloadPolicy",
+                 "CPUOffloadPolicy", "register_fsdp_forward_method"]:
+        assert name in fsdp1.__all__
+        assert hasattr(fsdp1, name)
+
+    def parameters(fn):
+        return [(p.name, p.kind, repr(p.default)) for p in inspect.signature(fn).parameters.values()]
+
+    assert parameters(fsdp1.fully_shard) == parameters(torch_fsdp.fully_shard)
+    assert parameters(fsdp1.MixedPrecisionPolicy) == parameters(torch_fsdp.MixedPrecisionPolicy)
+    assert parameters(fsdp1.CPUOffloadPolicy) == parameters(torch_fsdp.CPUOffloadPolicy)
+    assert issubclass(fsdp1.CPUOffloadPolicy, fsdp1.OffloadPolicy)
+    torch_methods = {n for n in dir(torch_fsdp.FSDPModule) if not n.startswith("_") and n not in dir(nn.Module)}
+    assert len(torch_methods) == 23
+    for name in torch_methods:
+        assert parameters(getattr(fsdp1.FSDPModule, name)) == parameters(getattr(torch_fsdp.FSDPModule, name)), name

@@ -4,19 +4,24 @@ their own code: HF Accelerate's ``save_fsdp_model`` / ``load_fsdp_model`` / ``sa
 training bit for bit (FULL and SHARDED, both use_orig_params), the latter also from a checkpoint
 torch's FSDP1 wrote, and ``extract_model_from_parallel`` unwraps fsdp1's units. Accelerate only enters
 its FSDP mode on accelerators, so its functions are called directly here, with its plugin and a
-stand-in for the ``Accelerator`` (the attributes they read)."""
+stand-in for the ``Accelerator`` (the attributes they read). And the code of PyTorch's FSDP tutorial
+(MNIST) as written, ranks seeded apart, trains as under torch's FSDP1, bit for bit."""
 
+import functools
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch import nn
 
 import fsdp1
 
 from _accelerate import accelerator_stand_in, load_with_accelerate, save_with_accelerate
 from _harness import run_on_ranks
-from _models import Block, adam, make_gpt, train_steps, wrap_fsdp1, wrap_torch_fsdp
+from _models import IMPLEMENTATIONS, Block, adam, fsdp_api, make_gpt, same_values, train_steps, wrap_fsdp1, wrap_torch_fsdp
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
@@ -169,7 +174,82 @@ def _upcast_after_wrapping(use_orig_params):
 @pytest.mark.parametrize("use_orig_params", [False, True])
 def test_accelerates_upcast_of_the_flat_parameters_is_adopted(use_orig_params):
     for (losses, state, dtypes), (their_losses, their_state, their_dtypes) in run_on_ranks(2, _upcast_after_wrapping, use_orig_params):
-        assert losses == their_losses and dtypes == their_dtypes == {torch.float32}
+        assert losses == their_losses
+        assert dtypes == their_dtypes == {torch.float32}
         assert state.keys() == their_state.keys()
         assert all(dtype == their_state[k][0] == torch.float32 and torch.equal(v, their_state[k][1])
                    for k, (dtype, v) in state.items())
+
+
+# ------------------------------------------------------------------- the FSDP tutorial's MNIST code, as written
+class TutorialNet(nn.Module):
+    """The model of PyTorch's FSDP tutorial (MNIST), as written there."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 32, 3, 1)
+        self.conv2 = nn.Conv2d(32, 64, 3, 1)
+        self.dropout1 = nn.Dropout(0.25)
+        self.dropout2 = nn.Dropout(0.5)
+        self.fc1 = nn.Linear(9216, 128)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x):
+        x = torch.relu(self.conv2(torch.relu(self.conv1(x))))
+        x = self.dropout1(torch.nn.functional.max_pool2d(x, 2))
+        x = self.dropout2(torch.relu(self.fc1(torch.flatten(x, 1))))
+        return torch.nn.functional.log_softmax(self.fc2(x), dim=1)
+
+
+def _mnist_tutorial(with_policy):
+    """The tutorial's wrapping, training and test loops on MNIST-shaped random data. Its spawned
+    workers are not seeded alike, so each rank builds other initial values (seeded by rank here)."""
+    rank = dist.get_rank()
+    results = {}
+    for name in IMPLEMENTATIONS:
+        fsdp, cpu = fsdp_api(name)
+        torch.manual_seed(rank + 1)
+        model = TutorialNet()
+        policy = functools.partial(fsdp.wrap.size_based_auto_wrap_policy, min_num_params=100) if with_policy else None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = fsdp.FullyShardedDataParallel(model, auto_wrap_policy=policy, **cpu)
+        optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+        data = torch.Generator().manual_seed(rank)
+        train_loss, test_loss = torch.zeros(2), torch.zeros(3)
+        for epoch in range(2):
+            model.train()
+            for _ in range(2):
+                images, target = torch.randn(4, 1, 28, 28, generator=data), torch.randint(0, 10, (4,), generator=data)
+                optimizer.zero_grad()
+                loss = torch.nn.functional.nll_loss(model(images), target, reduction="sum")
+                loss.backward()
+                optimizer.step()
+                train_loss += torch.tensor([loss.item(), len(images)])
+            dist.all_reduce(train_loss)
+            model.eval()
+            with torch.no_grad():
+                images, target = torch.randn(4, 1, 28, 28, generator=data), torch.randint(0, 10, (4,), generator=data)
+                output = model(images)
+                correct = output.argmax(dim=1, keepdim=True).eq(target.view_as(output.argmax(dim=1, keepdim=True))).sum()
+                test_loss += torch.tensor([torch.nn.functional.nll_loss(output, target, reduction="sum").item(), correct.item(), 4])
+            dist.all_reduce(test_loss)
+            scheduler.step()
+        dist.barrier()
+        states = model.state_dict()
+        warned = [str(w.message) for w in caught if "other values on rank" in str(w.message)]
+        results[name] = train_loss, test_loss, states, bool(warned)
+    return results
+
+
+@pytest.mark.parametrize("with_policy", [False, True])
+def test_the_fsdp_tutorials_mnist_code_runs_as_written_and_equals_torchs(with_policy):
+    """``model = FSDP(LinearNet().to(rank))`` (and with its size-based policy) with ranks seeded apart: torch's
+    FSDP1 trains the mix of the ranks' draws, and so does fsdp1, bit for bit, after a warning that
+    names the first differing parameter (it used to refuse)."""
+    for result in run_on_ranks(2, _mnist_tutorial, with_policy):
+        torch_loss, torch_test, torch_states, _ = result["torch"]
+        loss, test, states, warned = result["fsdp1"]
+        assert same_values((loss, test, states), (torch_loss, torch_test, torch_states))
+        assert warned

@@ -1,6 +1,7 @@
 """Tests ``clip_grad_norm_`` of the root against DDP plus ``torch.nn.utils.clip_grad_norm_`` doing the
 same: the returned total norm (over every rank and unit, sharded, NO_SHARD and ignored parameters)
-and the parameters after clipped SGD steps, for p = 2, inf and 1.5, both use_orig_params."""
+and the parameters after clipped SGD steps, for p = 2, inf and 1.5, both use_orig_params. Under
+``fully_shard``, an optimizer built and a norm clipped after evaluation forwards train like DDP."""
 
 import copy
 
@@ -12,7 +13,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import fsdp1
 
 from _harness import run_on_ranks
-from _models import Block, batch, fsdp1_full_params, lm_loss, make_gpt, max_relative_error, plain_params
+from _models import (
+    Block,
+    batch,
+    fsdp1_full_params,
+    fully_shard_against_oracle,
+    lm_loss,
+    make_gpt,
+    max_relative_error,
+    plain_params,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 MAX_NORM, STEPS, TOLERANCE = 0.1, 3, 1e-5
@@ -55,7 +65,8 @@ def test_clip_grad_norm_matches_ddp(strategy, ignore_head, norm_type, use_orig_p
             # Ignored gradients stay local, so each rank's norm (DDP's too) differs and each rank scales
             # its part by its own factor: only the first norm is comparable.
             ours, ddp, error = ours[:1], ddp[:1], 0.0
-        assert all(abs(a - b) <= TOLERANCE * b for a, b in zip(ours, ddp)) and max(ddp) > MAX_NORM  # it clipped
+        assert all(abs(a - b) <= TOLERANCE * b for a, b in zip(ours, ddp))
+        assert max(ddp) > MAX_NORM  # it clipped
         assert error <= TOLERANCE
 
 
@@ -70,7 +81,8 @@ def _on_inner_unit():
 
 def test_clip_grad_norm_on_an_inner_unit_is_refused():
     for message in run_on_ranks(2, _on_inner_unit):
-        assert "inner FSDP unit 'blocks.0'" in message and "root" in message
+        assert "inner FSDP unit 'blocks.0'" in message
+        assert "root" in message
 
 
 
@@ -134,3 +146,12 @@ def test_a_nan_on_one_rank_is_reported_on_every_rank_before_any_gradient_is_scal
         assert untouched
     norms = [norm for (_, norm), _ in run_on_ranks(2, _nan_on_rank_1, strategy, False)]
     assert all(norm != norm for norm in norms)  # the same NaN on every rank, as torch's
+
+
+# ------------------------------------------------------------------- fully_shard: optimizer and clipping after evaluation forwards
+def test_an_optimizer_built_and_a_norm_clipped_after_evaluation_forwards_train_like_ddp():
+    """Both silently wrong under torch's fully_shard, which leaves the root's unsharded parameters
+    registered after an evaluation forward, for the optimizer and clip_grad_norm_ to pick up."""
+    for ours, ddp, error in run_on_ranks(2, fully_shard_against_oracle, "optimizer_after_eval"):
+        assert max(abs(a - b) for a, b in zip(ours, ddp)) < 1e-5
+        assert error < 1e-5

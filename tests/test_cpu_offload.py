@@ -2,19 +2,33 @@
 ``pin_memory()``: training equals the same run without offloading and DDP's, the sharded parameters
 and their gradients stay on the CPU, and torch's config object is accepted. The CUDA path (a CPU
 shard copied to the device for each gather, gradients copied back) runs where a GPU is: one rank,
-where both FSDP1s fall back to NO_SHARD, against torch's FSDP1 offloading the same way."""
+where both FSDP1s fall back to NO_SHARD, against torch's FSDP1 offloading the same way. Under
+``fully_shard``, ``CPUOffloadPolicy`` (pinned memory) trains as without it on this CPU host, where
+torch's fails, and ``ignored_params`` stay plain tensors whose gradients are not reduced."""
 
 import copy
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsdp1
 
 from _harness import run_on_ranks
-from _models import Block, adam, batch, fsdp1_full_params, lm_loss, make_gpt, max_relative_error, relative_errors, train
+from _models import (
+    Block,
+    adam,
+    batch,
+    fsdp1_full_params,
+    lm_loss,
+    make_gpt,
+    max_relative_error,
+    relative_errors,
+    shard_gpt,
+    train,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
@@ -49,9 +63,11 @@ def _offloaded_training(strategy, use_orig_params, torch_config, mixed):
 def test_offloaded_training_equals_training_in_place(strategy, use_orig_params, torch_config, mixed):
     for (offloaded, in_place), ddp, error, devices, flag in run_on_ranks(2, _offloaded_training, strategy, use_orig_params,
                                                                             torch_config, mixed):
-        assert offloaded == in_place and error == 0.0
+        assert offloaded == in_place
+        assert error == 0.0
         assert relative_errors(offloaded, ddp) <= 1e-6
-        assert devices == {"cpu"} and flag is True
+        assert devices == {"cpu"}
+        assert flag is True
 
 
 def _offloaded_on_the_gpu(use_orig_params, mixed):
@@ -89,5 +105,29 @@ def _offloaded_on_the_gpu(use_orig_params, mixed):
 def test_offloaded_training_on_the_gpu_equals_torchs(use_orig_params, mixed):
     [((losses, devices, state), (their_losses, their_devices, their_state))] = run_on_ranks(
         1, _offloaded_on_the_gpu, use_orig_params, mixed)
-    assert losses == their_losses and devices == their_devices == {"cpu"}
-    assert state.keys() == their_state.keys() and all(torch.equal(state[k], their_state[k]) for k in state)
+    assert losses == their_losses
+    assert devices == their_devices == {"cpu"}
+    assert state.keys() == their_state.keys()
+    assert all(torch.equal(state[k], their_state[k]) for k in state)
+
+
+# ------------------------------------------------------------------- fully_shard: CPUOffloadPolicy
+def _offload_and_ignored():
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    offloaded = shard_gpt(make_gpt(), fsdp1.fully_shard, offload_policy=fsdp1.CPUOffloadPolicy())  # pin_memory=True
+    plain = shard_gpt(make_gpt(), fsdp1.fully_shard)
+    losses = [train(model, 3, world_size, rank) for model in (offloaded, plain)]
+    model = make_gpt()
+    ignored = {model.ln_f.weight, model.ln_f.bias}
+    shard_gpt(model, fsdp1.fully_shard, ignored_params=ignored)
+    kinds = [isinstance(model.ln_f.weight, DTensor), isinstance(model.head.weight, DTensor)]
+    lm_loss(model, *batch(0, rank, world_size)).backward()
+    return losses, kinds, model.ln_f.weight.grad.clone()
+
+
+def test_cpu_offload_with_pinned_memory_works_on_a_cpu_host_and_ignored_params_stay_plain():
+    results = run_on_ranks(2, _offload_and_ignored)
+    for (offloaded, plain), kinds, _ in results:
+        assert offloaded == plain  # torch's fails here with pin_memory=True
+        assert kinds == [False, True]
+    assert not torch.equal(results[0][2], results[1][2])  # an ignored parameter's gradient is not reduced

@@ -2,10 +2,14 @@
 parameter or module path, never ``_fsdp_wrapped_module.``, and says how to fix it. A failed
 constructor leaves the module exactly as it was. Also pins the printed structure of a wrapped model.
 An exception in forward (through the root or a nested unit) or in backward leaves training as if it
-never happened, against DDP."""
+never happened, against DDP. ``fully_shard`` refuses bad input naming the module or parameter and
+the fix. Against torch's FSDP1 running the same code: misuse (``summon_full_params``, ``apply``,
+``ignored_modules``, state-dict configs, ``clip_grad_norm_``, auto-wrapping) raises torch's exception
+types, fsdp1's messages keep torch's phrases, and ``_assert_state`` takes torch's training states."""
 
 import copy
 import functools
+import re
 
 import expecttest
 import pytest
@@ -18,7 +22,19 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import fsdp1
 
 from _harness import run_on_ranks
-from _models import fsdp1_full_params, make_mlp, max_relative_error, mlp_input, plain_params, relative_errors, wrap_fsdp1
+from _models import (
+    IMPLEMENTATIONS,
+    LinearNet,
+    fsdp1_full_params,
+    fsdp_api,
+    make_mlp,
+    max_relative_error,
+    mlp_input,
+    outcome_of,
+    plain_params,
+    relative_errors,
+    wrap_fsdp1,
+)
 
 FSDP = fsdp1.FullyShardedDataParallel
 LinearPolicy = fsdp1.wrap.ModuleWrapPolicy({nn.Linear})
@@ -385,4 +401,216 @@ def _exception_mid_step(strategy, use_orig_params, where):
 def test_training_goes_on_after_an_exception_as_if_it_never_happened(strategy, use_orig_params, where):
     for errors, (ours, ddp), error in run_on_ranks(2, _exception_mid_step, strategy, use_orig_params, where):
         assert errors == (["ValueError"] if where == "backward" else ["RuntimeError", "RuntimeError"])
-        assert relative_errors(ours, ddp) <= 1e-5 and error <= 1e-5
+        assert relative_errors(ours, ddp) <= 1e-5
+        assert error <= 1e-5
+
+
+# ------------------------------------------------------------------- fully_shard: bad input
+def _fully_shard_errors():
+    messages = {}
+
+    def refused(name, call, error=ValueError):
+        try:
+            call()
+            messages[name] = "no error"
+        except error as caught:
+            messages[name] = str(caught)
+
+    refused("module_list", lambda: fsdp1.fully_shard(nn.ModuleList([nn.Linear(2, 2)])))
+    scalar = nn.Linear(2, 2)
+    scalar.scale = nn.Parameter(torch.tensor(1.0))
+    refused("scalar", lambda: fsdp1.fully_shard(scalar))
+    refused("int_not_dividing", lambda: fsdp1.fully_shard(nn.Linear(2, 2), reshard_after_forward=3))
+    twice = fsdp1.fully_shard(nn.Linear(2, 2))
+    refused("twice", lambda: fsdp1.fully_shard(twice), AssertionError)
+    refused("fsdp1_inside", lambda: fsdp1.fully_shard(nn.Sequential(fsdp1.FullyShardedDataParallel(nn.Linear(2, 2)))))
+    refused("fully_shard_inside", lambda: fsdp1.FullyShardedDataParallel(nn.Sequential(fsdp1.fully_shard(nn.Linear(2, 2)))))
+    from torch.distributed.tensor import Shard
+
+    refused("shard_dim_1", lambda: fsdp1.fully_shard(nn.Linear(2, 2), shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else None),
+            NotImplementedError)
+    from torch.distributed.tensor import Replicate, distribute_tensor, init_device_mesh
+
+    parallel = nn.Linear(2, 2)  # a tensor-parallel parameter: already a DTensor
+    parallel.weight = nn.Parameter(distribute_tensor(parallel.weight.detach(), init_device_mesh("cpu", (2,)), [Replicate()]))
+    refused("dtensor_param", lambda: fsdp1.fully_shard(parallel), NotImplementedError)
+    tied = nn.Sequential(nn.Embedding(5, 4), nn.Linear(4, 5, bias=False))
+    tied[1].weight = tied[0].weight
+    fsdp1.fully_shard(tied[0])
+    refused("tied_across_groups", lambda: fsdp1.fully_shard(tied))
+    return messages
+
+
+def test_bad_input_is_refused_naming_the_module_or_parameter_and_the_fix():
+    messages = run_on_ranks(2, _fully_shard_errors)[0]
+    assert messages["module_list"].startswith("fully_shard does not support containers that do not implement forward")
+    assert "Change scale to a 1D tensor" in messages["scalar"]
+    assert "reshard_after_forward=3 must be a positive divisor of the shard world size 2" in messages["int_not_dividing"]
+    assert "fully_shard was already applied to it" in messages["twice"]
+    assert "contains the FullyShardedDataParallel unit '0'" in messages["fsdp1_inside"]
+    assert "contains the fully_shard module '0'" in messages["fully_shard_inside"]
+    assert "only Shard(0) (or None) is supported yet" in messages["shard_dim_1"]
+    assert "parameter 'weight' is already a DTensor (tensor parallelism)" in messages["dtensor_param"]
+    assert "Parameter '1.weight' is shared with a parameter already managed by another FSDP group ('0.weight')" in messages["tied_across_groups"]
+
+
+# ------------------------------------------------------------------- exception types of misuse, as torch's FSDP1's
+class SummonsInside(nn.Module):
+    """Calls ``summon_full_params`` on its own root from its forward, or from a gradient hook in
+    backward (on an intermediate tensor, so that the root's backward has begun)."""
+
+    def __init__(self, where):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.where = where
+        self.root = []
+
+    def summon(self, grad=None):
+        with type(self.root[0]).summon_full_params(self.root[0]):
+            return grad
+
+    def forward(self, x):
+        if self.where == "forward":
+            self.summon()
+        hidden = self.l1(x)
+        if self.where == "backward":
+            hidden.register_hook(self.summon)
+        return self.l2(hidden)
+
+
+def _with_units_inside(wrap):
+    """A root whose inner unit has run one step (so it is no root), and a plain model holding a unit."""
+    with_inner = LinearNet()
+    with_inner.a = wrap(with_inner.a)
+    nested = wrap(with_inner)
+    nested(torch.ones(2, 4)).sum().backward()
+    already_wrapped = LinearNet()
+    already_wrapped.a = wrap(already_wrapped.a)
+    return nested, already_wrapped
+
+
+def _misuse_outcomes():
+    outcomes = {}
+    for name in IMPLEMENTATIONS:
+        api, kwargs = fsdp_api(name)
+        fsdp = api.FullyShardedDataParallel
+
+        def build(module=None, **extra):
+            torch.manual_seed(0)
+            return fsdp(LinearNet() if module is None else module, **kwargs, **extra)
+
+        def inside_summon(model, body, **summon_kwargs):
+            with fsdp.summon_full_params(model, **summon_kwargs):
+                body()
+
+        model = build()
+        no_shard = build(sharding_strategy=api.ShardingStrategy.NO_SHARD)
+        nested, already_wrapped = _with_units_inside(build)
+        cases = {
+            "apply inside summon_full_params": lambda: inside_summon(model, lambda: model.apply(lambda m: None)),
+            "ignored_modules holding an int": lambda: build(ignored_modules=[3]),
+            "ignored_modules holding a parameter": lambda: build(ignored_modules=[nn.Parameter(torch.ones(2))]),
+            "ignored_states holding a string": lambda: build(ignored_states=["a"]),
+            "ignored_modules not iterable": lambda: build(ignored_modules=5),
+            "rank0_only with writeback": lambda: inside_summon(model, lambda: None, rank0_only=True, writeback=True),
+            "rank0_only with writeback, NO_SHARD": lambda: inside_summon(no_shard, lambda: None, rank0_only=True, writeback=True),
+            "summon inside summon": lambda: inside_summon(model, lambda: inside_summon(model, lambda: None)),
+            "forward inside summon": lambda: inside_summon(model, lambda: model(torch.ones(2, 4))),
+            "state_dict_type with another config": lambda: fsdp.set_state_dict_type(
+                model, api.StateDictType.SHARDED_STATE_DICT, api.FullStateDictConfig()),
+            "param_init_fn not callable on meta": lambda: build(_meta_net(), param_init_fn=3),
+            "clip_grad_norm_ on an inner unit": lambda: nested.module.a.clip_grad_norm_(1.0),
+            "auto-wrapping a module holding a unit": lambda: build(
+                already_wrapped, auto_wrap_policy=api.wrap.ModuleWrapPolicy({nn.Linear})),
+        }
+        for where in ("forward", "backward"):
+            module = SummonsInside(where)
+            root = build(module)
+            module.root.append(root)
+            cases[f"summon_full_params in {where}"] = functools.partial(lambda r: r(torch.ones(2, 4)).sum().backward(), root)
+        outcomes[name] = {case: outcome_of(call) for case, call in cases.items()}
+    return outcomes
+
+
+def _meta_net():
+    with torch.device("meta"):
+        return LinearNet()
+
+
+def test_misuse_raises_torchs_exception_types():
+    for outcomes in run_on_ranks(2, _misuse_outcomes):
+        for case, theirs in outcomes["torch"].items():
+            assert outcomes["fsdp1"][case][0] == theirs[0], case
+            assert theirs[0] is not None, case
+
+
+def _messages_keep_torchs_phrases():
+    """fsdp1's own messages, which name the unit and the fix, also carry the phrase torch's carry."""
+    torch.manual_seed(0)
+    fsdp = fsdp1.FullyShardedDataParallel
+    model, already_wrapped = _with_units_inside(fsdp)
+    plain = LinearNet()
+    calls = [
+        lambda: fsdp.set_state_dict_type(model, fsdp1.StateDictType.SHARDED_STATE_DICT, fsdp1.FullStateDictConfig()),
+        lambda: model.module.a.clip_grad_norm_(1.0),
+        lambda: fsdp(already_wrapped, auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({nn.Linear})),
+        lambda: fsdp(LinearNet(), ignored_modules=list(LinearNet().a.parameters())),
+        lambda: fsdp(LinearNet(), ignored_states=[plain.b, plain.b.weight]),
+        lambda: fsdp(LinearNet(), ignored_modules=[plain.b], ignored_states=[plain.b]),
+    ]
+    messages = []
+    for call in calls:
+        try:
+            call()
+        except Exception as error:  # noqa: BLE001 - the message is the result
+            messages.append(str(error))
+    return messages
+
+
+def test_messages_keep_torchs_phrases():
+    """The phrases, as the regular expressions torch's own tests match them with."""
+    patterns = [
+        "Expected state_dict_config of type", "should only be called on the root FSDP instance",
+        "FSDP auto wrapping requires modules to not already have FSDP applied but found .* in",
+        r"ignored_modules expects nn.Module list elements but got types \[<class 'torch.nn.parameter.Parameter'>\]",
+        r"ignored_states expects all nn.Parameter or all nn.Module list elements but got types "
+        r"\[<class 'torch.nn.modules.linear.Linear'>, <class 'torch.nn.parameter.Parameter'>\]",
+        "Cannot pass both ignored_modules and ignored_states at the same time",
+    ]
+    for messages in run_on_ranks(2, _messages_keep_torchs_phrases):
+        assert len(messages) == len(patterns)
+        for message, pattern in zip(messages, patterns):
+            assert message.startswith("fsdp1: ")
+            assert re.search(pattern, message)
+            assert "_fsdp_wrapped_module" not in message
+
+
+# ------------------------------------------------------------------- _assert_state
+def _assert_state_outcomes():
+    from torch.distributed.fsdp._common_utils import TrainingState as TorchState
+
+    from fsdp1._engine.common import TrainingState as OurState
+
+    results = {}
+    for name in IMPLEMENTATIONS:
+        api, kwargs = fsdp_api(name)
+        torch.manual_seed(0)
+        model = api.FullyShardedDataParallel(LinearNet(), **kwargs)
+        model(torch.ones(2, 4)).sum().backward()
+        outcomes = [outcome_of(lambda: model._assert_state(TorchState.IDLE)),
+                    outcome_of(lambda: model._assert_state([TorchState.FORWARD_BACKWARD, TorchState.SUMMON_FULL_PARAMS])),
+                    outcome_of(lambda: model._assert_state(TorchState.FORWARD_BACKWARD))]
+        if name == "fsdp1":
+            outcomes.append(outcome_of(lambda: model._assert_state(OurState.IDLE)))
+        with api.FullyShardedDataParallel.summon_full_params(model):
+            outcomes += [outcome_of(lambda: model._assert_state(TorchState.SUMMON_FULL_PARAMS)),
+                         outcome_of(lambda: model._assert_state(TorchState.IDLE))]
+        results[name] = outcomes
+    return results
+
+
+def test_assert_state_takes_torchs_training_states_and_raises_its_type():
+    for results in run_on_ranks(2, _assert_state_outcomes):
+        ok, failed = (None, []), ("ValueError", [])
+        assert results["torch"] == [ok, failed, failed, ok, failed]
+        assert results["fsdp1"] == [ok, failed, failed, ok, ok, failed]

@@ -3,9 +3,12 @@ of a block, LoRA-style): they train as DDP does, also after unfreezing part of a
 parameters cost no gradient memory (torch's FSDP1 keeps a gradient over the whole shard,
 pytorch#104690). Without use_orig_params such a unit is refused (tests/test_errors.py). Also: frozen
 parameters keep their values and a None gradient, and units frozen whole at wrap time train after
-unfreezing."""
+unfreezing; and no warning about containers or frozen parameters (torch's FSDP1's claims there do
+not hold for fsdp1). Under ``fully_shard``, a root with frozen parameters (one unfrozen between steps),
+and torch's meta-device recipe, train bitwise like torch's ``fully_shard``."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -21,6 +24,7 @@ from _models import (
     batch,
     build,
     fsdp1_full_params,
+    fully_shard_against_oracle,
     lm_loss,
     make_gpt,
     max_relative_error,
@@ -61,8 +65,10 @@ def _train_partly_frozen(strategy):
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
 def test_units_mixing_frozen_and_trainable_parameters_train_like_ddp(strategy):
     for (ours, ddp), error, frozen_grads in run_on_ranks(2, _train_partly_frozen, strategy):
-        assert relative_errors(ours, ddp) <= TOLERANCE and error <= TOLERANCE
-        assert frozen_grads and all(grad is None for grad in frozen_grads)
+        assert relative_errors(ours, ddp) <= TOLERANCE
+        assert error <= TOLERANCE
+        assert frozen_grads
+        assert all(grad is None for grad in frozen_grads)
 
 
 def _unfreeze_part_of_a_unit():
@@ -97,7 +103,8 @@ def test_unfreezing_part_of_a_unit_trains_like_one_process():
     results = run_on_ranks(2, _unfreeze_part_of_a_unit)
     mean_over_ranks = [sum(losses) / len(results) for losses in zip(*(ours for (ours, _), _ in results))]
     for (_, reference), error in results:
-        assert relative_errors(mean_over_ranks, reference) <= TOLERANCE and error <= TOLERANCE
+        assert relative_errors(mean_over_ranks, reference) <= TOLERANCE
+        assert error <= TOLERANCE
 
 
 def _gradient_bytes(model, units):
@@ -195,3 +202,51 @@ def test_a_unit_frozen_at_wrap_time_trains_after_unfreezing(strategy, use_orig_p
     for mean_losses, single_losses, error in run_on_ranks(2, _unfreeze, strategy, use_orig_params):
         assert relative_errors(mean_losses, single_losses) <= TOLERANCE
         assert error <= TOLERANCE
+
+
+# ------------------------------------------------------------------- fully_shard: a frozen root, and meta init
+@pytest.mark.parametrize("pattern", ["frozen_root", "meta_init"])
+def test_frozen_root_parameters_and_meta_init_train_bitwise_like_torchs(pattern):
+    """The root stays gathered for backward, with frozen parts, one unfrozen between steps (DDP cannot
+    be the oracle: its reducer keeps the parameters that needed a gradient when it was built); and
+    torch's meta-device recipe, to_empty then reset_parameters on the DTensors (each rank draws its
+    own rows, so the values are torch's, not a plain model's)."""
+    for ours, theirs, error in run_on_ranks(2, fully_shard_against_oracle, pattern):
+        assert ours == theirs
+        assert error == 0.0
+
+
+# ------------------------------------------------------------------- no warnings whose claims do not hold
+def _warnings_whose_claims_do_not_hold():
+    """torch's FSDP1 warns that it will not gather a container's parameters (a ``ModuleList`` has no
+    forward) and that a unit mixing frozen and trainable parameters costs gradient memory for the frozen
+    ones. Neither holds for fsdp1, which says nothing: calls of the container's children gather (the
+    children train like DDP's), and frozen parameters keep no gradient (tested above)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 3)])
+    reference = DDP(copy.deepcopy(layers))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wrapped = fsdp1.FullyShardedDataParallel(layers, use_orig_params=True)
+        mixed = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        mixed[0].requires_grad_(False)
+        fsdp1.FullyShardedDataParallel(mixed, use_orig_params=True,
+                                       auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({nn.Sequential}))
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(dist.get_rank()))
+    for model in (wrapped.module, reference.module):  # the container's children, called from outside
+        model[1](model[0](x)).sum().backward()
+    for param in reference.module.parameters():  # DDP reduces only through its own forward: average by hand
+        dist.all_reduce(param.grad)
+        param.grad /= dist.get_world_size()
+    with fsdp1.FullyShardedDataParallel.summon_full_params(wrapped, with_grads=True):
+        grads = [p.grad.clone() for p in wrapped.parameters()]
+    return [str(w.message) for w in caught], grads, [p.grad for p in reference.module.parameters()]
+
+
+def test_fsdp1_does_not_warn_where_its_units_gather_containers_and_keep_no_frozen_gradients():
+    for caught, grads, ddp_grads in run_on_ranks(2, _warnings_whose_claims_do_not_hold):
+        assert caught == []
+        assert len(grads) == len(ddp_grads) == 4
+        assert all(torch.allclose(g, d, atol=1e-7) for g, d in zip(grads, ddp_grads))

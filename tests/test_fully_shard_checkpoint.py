@@ -16,10 +16,12 @@ the checkpoint and went on training.
   the unsharded model's values (bitwise DDP's), and they load back.
 - Beyond torch: plain full tensors (an unsharded model's ``state_dict()``) load into fsdp1's
   ``fully_shard`` model and train on exactly as when loaded through DTensors; torch's refuses them.
+- ``model.state_dict()`` saves with ``torch.save`` and deep-copies (torch's cannot save its own).
 - ``fsdp1.checkpoint`` saves and loads a ``fully_shard`` model's state (also in the background), and
   ``python -m tools.checkpoint`` inspects and consolidates a checkpoint DCP wrote from one.
 """
 
+import copy
 import json
 import subprocess
 import sys
@@ -47,7 +49,7 @@ from fsdp1 import FullyShardedDataParallel as FSDP
 from fsdp1 import StateDictType
 
 from _harness import run_on_ranks
-from _models import VOCAB, TinyGPT, batch, global_batch, lm_loss, train_steps, wrap_fsdp1
+from _models import VOCAB, TinyGPT, batch, global_batch, lm_loss, make_gpt, shard_gpt, train_steps, wrap_fsdp1
 from tools import checkpoint as checkpoint_tool
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
@@ -128,7 +130,8 @@ def assert_bitwise(actual: dict, expected: dict, ordered: bool = True) -> None:
         assert list(actual) == list(expected), (list(actual), list(expected))
     assert sorted(actual) == sorted(expected), (sorted(actual), sorted(expected))
     for key, tensor in expected.items():
-        assert actual[key].dtype == tensor.dtype and torch.equal(actual[key], tensor), key
+        assert actual[key].dtype == tensor.dtype, key
+        assert torch.equal(actual[key], tensor), key
 
 
 # ------------------------------------------------------------------------------- model.state_dict()
@@ -162,7 +165,8 @@ def test_state_dict_has_torch_fully_shards_keys_types_placements_shapes_and_loca
         assert [key for key, *_ in described["fsdp1"]] == plain_keys  # the plain model's keys, in its order
         types = {key: kind for key, kind, *_ in described["fsdp1"]}
         assert {key for key, kind in types.items() if kind == "DTensor"} == set(parameter_names)
-        assert types["temperature"] == "Tensor" and "scratch" not in types  # buffers plain; non-persistent left out
+        assert types["temperature"] == "Tensor"  # buffers plain
+        assert "scratch" not in types  # non-persistent left out
         assert {placements for _, _, placements, *_ in described["fsdp1"]} == {"(Shard(dim=0),)", None}
         assert_bitwise(local_values["fsdp1"], local_values["torch"])
 
@@ -378,7 +382,8 @@ def test_full_state_dict_is_the_unsharded_models_and_loads_back():
     for rank, result in enumerate(results):
         expected = result["ddp"]
         if rank == 0:
-            assert result["on_cpu_types"] == {"Tensor"} and result["on_cpu_devices"] == {"cpu"}
+            assert result["on_cpu_types"] == {"Tensor"}
+            assert result["on_cpu_devices"] == {"cpu"}
             assert_bitwise(result["on_cpu"], expected)  # the plain model's keys and order, DDP's values bitwise
         else:
             assert result["on_cpu"] == {}  # with cpu_offload the helper gathers onto rank 0 only
@@ -435,7 +440,8 @@ def test_plain_full_state_dict_loads_into_fully_shard_and_trains_as_loaded_throu
         # torch's fully_shard refuses them: the global shapes agree, so no size mismatch, but copying a
         # plain tensor into a DTensor parameter fails
         assert kind == "RuntimeError", refusal
-        assert 'While copying the parameter named "pos"' in message and "got mixed torch.Tensor and DTensor" in message
+        assert 'While copying the parameter named "pos"' in message
+        assert "got mixed torch.Tensor and DTensor" in message
 
 
 # ------------------------------------------------------------------------- fsdp1.checkpoint and the tool
@@ -513,3 +519,22 @@ def test_tool_inspects_and_consolidates_a_dcp_checkpoint_of_a_fully_shard_model(
     assert sorted(everything["optim"]["state"]) == sorted(full_optim)
     for fqn, state in full_optim.items():
         assert_bitwise({k: everything["optim"]["state"][fqn][k] for k in state}, state)  # AdamW's moments, full
+
+
+# ------------------------------------------------------------------- torch.save and deepcopy of the state dict
+def _saved_and_copied():
+    import io
+
+    model = shard_gpt(make_gpt(), fsdp1.fully_shard)
+    state = model.state_dict()
+    buffer = io.BytesIO()
+    torch.save(state, buffer)  # DTensors viewing one shard; torch's own cannot save them
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    copied = copy.deepcopy(state)
+    return all(torch.equal(loaded[k].to_local(), v.to_local()) and torch.equal(copied[k].to_local(), v.to_local())
+               for k, v in state.items())
+
+
+def test_a_state_dict_saves_with_torch_save_and_deep_copies():
+    assert all(run_on_ranks(2, _saved_and_copied))

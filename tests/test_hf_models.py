@@ -3,14 +3,19 @@ memory, nothing downloaded), each wrapped per its own block class: training agai
 (bitwise) and DDP, ``generate()`` through the wrapper against the unwrapped model, token for token,
 leaving nothing gathered. They bring tied weights (GPT-2, Llama, BERT, T5), embeddings shared by an
 encoder and a decoder with relative attention bias (T5), buffers (BERT's ``token_type_ids``), odd
-sizes (every dimension below is prime or not a multiple of the world size) and a vision model (ViT)."""
+sizes (every dimension below is prime or not a multiple of the world size) and a vision model (ViT).
+Under ``fully_shard``, GPT-2 sharded per block and at the root keeps its tie, trains like torch's
+``fully_shard`` and generates as the unsharded model."""
 
 import copy
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fsdp1
 
 from _harness import run_on_ranks
 from _models import (
@@ -19,6 +24,7 @@ from _models import (
     plain_params,
     relative_errors,
     torch_fsdp_full_params,
+    torchs_fully_shard,
     wrap_fsdp1,
     wrap_torch_fsdp,
 )
@@ -109,8 +115,10 @@ def _train_family(name, strategy, use_orig_params):
 
 def _assert_parity(results):
     for (ours, theirs, ddp), torch_error, ddp_error in results:
-        assert ours == theirs and torch_error == 0.0  # bitwise like torch's FSDP1
-        assert relative_errors(ours, ddp) <= TOLERANCE and ddp_error <= TOLERANCE
+        assert ours == theirs  # bitwise like torch's FSDP1
+        assert torch_error == 0.0
+        assert relative_errors(ours, ddp) <= TOLERANCE
+        assert ddp_error <= TOLERANCE
 
 
 @pytest.mark.parametrize("use_orig_params", [False, True])
@@ -151,7 +159,8 @@ def _generate(name, strategy, use_orig_params):
 @pytest.mark.parametrize("family", ["gpt2", "llama_tied", "t5"])
 def test_generate_through_the_wrapper_matches_the_unwrapped_model(family, strategy, use_orig_params):
     for same_tokens, same_logits, left_alive, states in run_on_ranks(2, _generate, family, strategy, use_orig_params):
-        assert same_tokens and same_logits
+        assert same_tokens
+        assert same_logits
         assert left_alive == 0  # no gathered parameter, cache or activation outlives the call
         assert states == {"SHARDED"}
 
@@ -174,4 +183,51 @@ def _llama_gradient_checkpointing(use_orig_params, use_reentrant):
 @pytest.mark.parametrize("use_orig_params", [False, True])
 def test_llama_gradient_checkpointing_trains_exactly_as_without_it(use_orig_params, use_reentrant):
     for (checkpointed, plain), error in run_on_ranks(2, _llama_gradient_checkpointing, use_orig_params, use_reentrant):
-        assert checkpointed == plain and error == 0.0
+        assert checkpointed == plain
+        assert error == 0.0
+
+
+# ------------------------------------------------------------------- fully_shard: GPT-2
+def _fully_shard_gpt2():
+    rank = dist.get_rank()
+    t = transformers
+    torch.manual_seed(0)
+    config = t.GPT2Config(vocab_size=61, n_positions=32, n_embd=16, n_layer=2, n_head=2,
+                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    base = t.GPT2LMHeadModel(config)
+    models = [copy.deepcopy(base), copy.deepcopy(base)]
+    for model, shard in zip(models, (fsdp1.fully_shard, torchs_fully_shard())):
+        for block in model.transformer.h:
+            shard(block)
+        shard(model)
+    tied = models[0].lm_head.weight is models[0].transformer.wte.weight
+    losses = []
+    for model in models:
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        run = []
+        for step in range(3):
+            gen = torch.Generator().manual_seed(1000 * step + rank)
+            ids = torch.randint(1, 61, (2, 9), generator=gen)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            run.append(loss.item())
+        losses.append(run)
+    keys = list(models[0].state_dict()) == list(models[1].state_dict())
+    prompt = torch.tensor([[5, 7, 11]])
+    with torch.no_grad():
+        tokens = models[0].generate(prompt, max_new_tokens=5, do_sample=False)
+    reference = copy.deepcopy(base)
+    reference.load_state_dict({k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in models[0].state_dict().items()})
+    with torch.no_grad():
+        expected = reference.generate(prompt, max_new_tokens=5, do_sample=False)
+    return tied, losses, keys, torch.equal(tokens, expected)
+
+
+def test_hf_gpt2_per_block_and_root_keeps_the_tie_trains_and_generates_as_torchs():
+    for tied, (ours, theirs), keys, same_tokens in run_on_ranks(2, _fully_shard_gpt2):
+        assert tied
+        assert ours == theirs
+        assert keys
+        assert same_tokens

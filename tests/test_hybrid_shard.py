@@ -2,7 +2,8 @@
 the other, from a 2-D device mesh (replicas × shard size: 2×2, 1×4, 4×1) or a (shard, replicate)
 group pair, or from neither (nodes of ``LOCAL_WORLD_SIZE`` ranks shard, as torch's builds them),
 against DDP. With a shard group of one rank the replicas must still average their
-gradients (torch's FSDP1 switches to NO_SHARD there and stops syncing them, pytorch#154888)."""
+gradients (torch's FSDP1 switches to NO_SHARD there and stops syncing them, pytorch#154888). And
+``fully_shard`` on a 2-D (replicate, shard) mesh, trained bitwise like torch's ``fully_shard``."""
 
 import copy
 import os
@@ -16,7 +17,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import fsdp1
 
 from _harness import run_on_ranks
-from _models import Block, fsdp1_full_params, make_gpt, max_relative_error, plain_params, relative_errors, train
+from _models import (
+    Block,
+    fsdp1_full_params,
+    fully_shard_pair_trained,
+    make_gpt,
+    max_relative_error,
+    plain_params,
+    relative_errors,
+    train,
+)
 
 STEPS, TOLERANCE = 4, 1e-5
 
@@ -63,6 +73,15 @@ def _train_hybrid(shape, groups_from, strategy, use_orig_params):
 def test_hybrid_sharding_trains_like_ddp_and_keeps_replicas_in_sync(shape, groups_from, strategy, use_orig_params):
     results = run_on_ranks(4, _train_hybrid, shape, groups_from, strategy, use_orig_params)
     for (ours, ddp), error, _, strategies in results:
-        assert relative_errors(ours, ddp) <= TOLERANCE and error <= TOLERANCE
+        assert relative_errors(ours, ddp) <= TOLERANCE
+        assert error <= TOLERANCE
         assert strategies == {strategy}  # a shard group of one rank stays hybrid: replicas keep syncing
     assert all(r[2] == results[0][2] for r in results)  # every rank holds the same parameters
+
+
+# ------------------------------------------------------------------- fully_shard on a 2-D mesh
+def test_hsdp_on_a_2d_mesh_trains_bitwise_like_torch():
+    for placements, (ours, theirs), same in run_on_ranks(4, fully_shard_pair_trained, "hybrid"):
+        assert placements  # (Replicate(), Shard(0)) on a 2x2 mesh
+        assert ours == theirs
+        assert same

@@ -1,17 +1,32 @@
 """Tests ``ignored_modules`` and ``ignored_states``: ignored parameters stay unflattened, unsharded and
 trainable by the user, their gradients are not averaged across ranks (as torch's), and no unit below
-takes them. The oracle is DDP told to ignore the same parameters, which keeps them local as well."""
+takes them. The oracle is DDP told to ignore the same parameters, which keeps them local as well.
+Ignoring the wrapped module itself warns and leaves every parameter local, as torch's FSDP1 does."""
 
 import copy
+import warnings
 
 import pytest
+import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsdp1
 
 from _harness import run_on_ranks
-from _models import Block, fsdp1_full_params, make_gpt, max_relative_error, plain_params, relative_errors, train
+from _models import (
+    IMPLEMENTATIONS,
+    Block,
+    LinearNet,
+    fsdp1_full_params,
+    fsdp_api,
+    make_gpt,
+    max_relative_error,
+    plain_params,
+    relative_errors,
+    same_values,
+    train,
+)
 
 STEPS, TOLERANCE = 4, 1e-5
 
@@ -60,5 +75,30 @@ def test_ignored_parameters_train_locally_like_ddp_ignoring_them(case, strategy,
         assert not set(ignored) & flattened  # no unit took them
         if case == "a_module_the_policy_matches":
             assert units == ["", "blocks.0"]
-        assert relative_errors(ours, ddp) <= TOLERANCE and error <= TOLERANCE
+        assert relative_errors(ours, ddp) <= TOLERANCE
+        assert error <= TOLERANCE
     assert results[0][-1] != results[1][-1]  # not averaged: each rank trained its own copy
+
+
+# ------------------------------------------------------------------- ignoring the wrapped module itself
+def _ignore_the_wrapped_module():
+    results = {}
+    for name in IMPLEMENTATIONS:
+        api, kwargs = fsdp_api(name)
+        torch.manual_seed(0)
+        net = LinearNet()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = api.FullyShardedDataParallel(net, ignored_modules=[net], **kwargs)
+        torch.manual_seed(dist.get_rank())  # each rank its own batch: ignored gradients stay local
+        model(torch.randn(2, 4)).sum().backward()
+        params = [(fqn, p.detach().clone(), p.grad.clone()) for fqn, p in model.named_parameters()]
+        warned = [(w.category.__name__, "Trying to ignore the top-level module" in str(w.message)) for w in caught]
+        results[name] = (warned, params, len(api.FullyShardedDataParallel.fsdp_modules(model)))
+    return results
+
+
+def test_ignoring_the_wrapped_module_warns_and_leaves_every_parameter_local():
+    for results in run_on_ranks(2, _ignore_the_wrapped_module):
+        assert same_values(results["fsdp1"], results["torch"])
+        assert results["fsdp1"][0] == [("UserWarning", True)]

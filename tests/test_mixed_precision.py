@@ -4,7 +4,9 @@ field on its own with a check that fails if fsdp1 ignored it: the dtype the unit
 reduce in, hand the optimizer, cast inputs and buffers to, BatchNorm's full-precision units,
 full-precision evaluation, and full-precision state dicts and ``summon_full_params``. Also the dtype
 changed without ``MixedPrecision``: ``.to(torch.float64)`` or ``.double()`` after wrapping, before or
-after a step, trains as the plain model converted alike."""
+after a step, trains as the plain model converted alike. Under ``fully_shard``, a bf16
+``MixedPrecisionPolicy`` (fsdp1's or torch's object) trains like torch's ``fully_shard``, keeping
+parameters and gradients in fp32."""
 
 import copy
 import os
@@ -31,7 +33,9 @@ from _models import (
     plain_params,
     relative_errors,
     sgd,
+    shard_gpt,
     torch_fsdp_full_params,
+    torchs_fully_shard,
     train,
     train_each,
     wrap_fsdp1,
@@ -81,7 +85,8 @@ def _train_both(strategy, use_orig_params, param_dtype, reduce_dtype):
 ])
 def test_training_matches_torch_fsdp1_bitwise(strategy, use_orig_params, param_dtype, reduce_dtype):
     for ours, theirs, error in run_on_ranks(2, _train_both, strategy, use_orig_params, param_dtype, reduce_dtype):
-        assert ours == theirs and error == 0.0
+        assert ours == theirs
+        assert error == 0.0
 
 
 def _runs_per_configuration():
@@ -104,7 +109,8 @@ def test_param_and_reduce_dtype_each_change_the_numbers_as_torchs_do():
         for i, (_, params, _) in enumerate(runs):
             assert all(max_relative_error(params, other) > 0 for _, other, _ in runs[i + 1 :])
         for (ours, theirs), params, their_params in runs:
-            assert ours == theirs and max_relative_error(params, their_params) == 0.0
+            assert ours == theirs
+            assert max_relative_error(params, their_params) == 0.0
 
 
 # ------------------------------------------------------------------------------ what computes in which dtype
@@ -176,7 +182,8 @@ def _low_precision_grads(use_orig_params, strategy):
 @pytest.mark.parametrize("use_orig_params, strategy", [(False, "FULL_SHARD"), (True, "FULL_SHARD"), (False, "NO_SHARD")])
 def test_keep_low_precision_grads_hands_the_optimizer_torchs_bf16_gradients(use_orig_params, strategy):
     for (ours, theirs), error in run_on_ranks(2, _low_precision_grads, use_orig_params, strategy):
-        assert ours.keys() == theirs.keys() and ours
+        assert ours.keys() == theirs.keys()
+        assert ours
         for name, grad in ours.items():
             # torch's leaves a unit that does not shard its gradient in reduce_dtype
             assert grad.dtype == theirs[name].dtype == (torch.float32 if strategy == "NO_SHARD" else torch.bfloat16), name
@@ -217,9 +224,11 @@ def _buffers(buffer_dtype):
 def test_buffers_compute_in_buffer_dtype_and_save_in_their_own(buffer_dtype):
     for ours, theirs in run_on_ranks(2, _buffers, buffer_dtype):
         (losses, seen, state), (their_losses, their_seen, their_state) = ours, theirs
-        assert losses == their_losses and seen == their_seen
+        assert losses == their_losses
+        assert seen == their_seen
         assert {dtype for block in seen for dtype in block} == {DTYPES[buffer_dtype] or torch.float32}
-        assert state.keys() == their_state.keys() and len(state) == 4
+        assert state.keys() == their_state.keys()
+        assert len(state) == 4
         for key, (dtype, value) in state.items():
             assert dtype == their_state[key][0] == (torch.long if "calls" in key else torch.float32), key
             assert torch.equal(value, their_state[key][1]), key
@@ -273,7 +282,8 @@ def test_batchnorm_gets_a_full_precision_unit_as_in_torch(classes_to_ignore):
             assert precisions == [None, None]
             assert warned == 2
         else:
-            assert units == their_units == 0 and warned == 0
+            assert units == their_units == 0
+            assert warned == 0
 
 
 # ------------------------------------------------------------------------------ full precision where asked
@@ -299,7 +309,8 @@ def test_state_dict_and_summon_full_params_are_full_precision(use_orig_params):
             assert value.dtype == torch.float32, key
             assert torch.equal(value, theirs[key]), key
             assert torch.equal(value, summoned[key]), key
-        assert not rounded and after == their_after
+        assert not rounded
+        assert after == their_after
 
 
 def _eval_in_full_precision():
@@ -326,7 +337,8 @@ def _eval_in_full_precision():
 
 def test_full_precision_evaluation_under_the_environment_variable():
     for (losses, logits, buffers), (their_losses, their_logits, their_buffers) in run_on_ranks(2, _eval_in_full_precision):
-        assert logits.dtype == torch.float32 and torch.equal(logits, their_logits)
+        assert logits.dtype == torch.float32
+        assert torch.equal(logits, their_logits)
         assert buffers == their_buffers == {torch.float32}
         assert losses == their_losses
 
@@ -349,7 +361,8 @@ def _family_in_bf16(family, use_orig_params):
 def test_family_in_bf16_matches_torch_fsdp1(family, use_orig_params):
     pytest.importorskip("transformers")
     for (ours, theirs), equal in run_on_ranks(2, _family_in_bf16, family, use_orig_params):
-        assert ours == theirs and all(equal.values()), [k for k, v in equal.items() if not v]
+        assert ours == theirs, [k for k, v in equal.items() if not v]
+        assert all(equal.values()), [k for k, v in equal.items() if not v]
 
 
 def _clipped(keep_low):
@@ -393,14 +406,15 @@ def test_batchnorm_units_evaluate_in_full_precision_after_training():
     """The fp32 BatchNorm unit's outputs go back to the dtype of each call's inputs: fp16 in training,
     fp32 in full-precision evaluation (it kept casting to fp16 once it had seen it)."""
     for ours, theirs in run_on_ranks(2, _batchnorm_eval_in_full_precision):
-        assert ours.dtype == theirs.dtype == torch.float32 and torch.equal(ours, theirs)
+        assert ours.dtype == theirs.dtype == torch.float32
+        assert torch.equal(ours, theirs)
 
 
 @pytest.mark.parametrize("field, value", [("param_dtype", torch.int64), ("reduce_dtype", torch.int32),
                                           ("param_dtype", torch.complex64), ("buffer_dtype", torch.bool),
                                           ("param_dtype", "bfloat16")])
 def test_a_dtype_that_is_not_floating_point_is_refused_naming_the_field(field, value):
-    from fsdp1._engine.mixed_precision import checked_precision
+    from fsdp1._wrapper.mixed_precision import checked_precision
 
     with pytest.raises(ValueError, match=f"MixedPrecision.{field}=.*floating-point torch.dtype"):
         checked_precision(fsdp1.MixedPrecision(**{field: value}))
@@ -434,4 +448,28 @@ def test_converting_the_dtype_after_wrapping(strategy, use_orig_params, conversi
         2, _convert_after_wrapping, strategy, use_orig_params, conversion, trained_before
     ):
         assert dtypes == ["torch.float64"]
-        assert relative_errors(ours, oracle) <= 1e-12 and error <= 1e-12
+        assert relative_errors(ours, oracle) <= 1e-12
+        assert error <= 1e-12
+
+
+# ------------------------------------------------------------------- fully_shard: MixedPrecisionPolicy
+def _mixed_precision():
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    policy_kwargs = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.bfloat16)
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+
+    ours = shard_gpt(make_gpt(), fsdp1.fully_shard, mp_policy=fsdp1.MixedPrecisionPolicy(**policy_kwargs))
+    theirs = shard_gpt(make_gpt(), torchs_fully_shard(), mp_policy=TorchPolicy(**policy_kwargs))
+    torch_policy_accepted = shard_gpt(make_gpt(), fsdp1.fully_shard, mp_policy=TorchPolicy(**policy_kwargs))
+    losses = [train(model, 3, world_size, rank) for model in (ours, theirs, torch_policy_accepted)]
+    dtypes = {p.dtype for p in ours.parameters()} | {p.grad.dtype for p in ours.parameters() if p.grad is not None}
+    output = ours(batch(0, rank, world_size)[0])
+    return losses, dtypes, output.dtype
+
+
+def test_bf16_mixed_precision_policy_trains_like_torchs():
+    for (ours, theirs, with_torch_policy), dtypes, output_dtype in run_on_ranks(2, _mixed_precision):
+        assert max(abs(a - b) for a, b in zip(ours, theirs)) < 2e-3
+        assert with_torch_policy == ours  # torch's policy object is accepted and means the same
+        assert dtypes == {torch.float32}  # sharded parameters and gradients in fp32
+        assert output_dtype == torch.bfloat16

@@ -2,20 +2,34 @@
 optimizer mid-run and loading both into fresh objects continues bit for bit like the uninterrupted run
 (FULL in memory, SHARDED through DCP, both use_orig_params, several param groups, SGD with momentum,
 Adam, AdamW, Adagrad), also through the HF Accelerate call sequence on a fresh optimizer, and after
-resharding from 2 ranks to 4 and back."""
+resharding from 2 ranks to 4 and back. The older ``shard_full_optim_state_dict`` /
+``scatter_full_optim_state_dict`` without ``optim=`` give torch's FSDP1's dict and warning."""
 
 import copy
+import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+import fsdp1
 from fsdp1 import FullyShardedDataParallel as FSDP
 from fsdp1 import StateDictType
 
 from _harness import run_on_ranks
-from _models import make_tied_gpt, train_steps, wrap_fsdp1, wrap_torch_fsdp
+from _models import (
+    adam,
+    fsdp1_full_params,
+    fsdp_api,
+    make_gpt,
+    make_tied_gpt,
+    same_values,
+    torch_fsdp_full_params,
+    train_steps,
+    wrap_fsdp1,
+    wrap_torch_fsdp,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
@@ -116,7 +130,8 @@ def _full_equals_torch_and_ddp(use_orig_params):
 @pytest.mark.parametrize("use_orig_params", [False, True])
 def test_full_optim_state_dict_equals_ddp_and_torch_fsdp1(use_orig_params):
     for like_ddp, like_torch, same_groups in run_on_ranks(2, _full_equals_torch_and_ddp, use_orig_params):
-        assert like_ddp and same_groups
+        assert like_ddp
+        assert same_groups
         assert like_torch or use_orig_params  # torch's is wrong with use_orig_params=True
 
 
@@ -350,7 +365,48 @@ def _reused_and_mismatched(use_orig_params):
 @pytest.mark.parametrize("use_orig_params", [False, True])
 def test_a_dict_loads_twice_alike_and_a_wrong_rank0_dict_is_refused_everywhere(use_orig_params):
     for (first, second), unchanged, refusal in run_on_ranks(2, _reused_and_mismatched, use_orig_params):
-        assert first == second and unchanged
+        assert first == second
+        assert unchanged
         assert refusal is not None
         assert "has shape" in refusal
         assert "rank 0's dict" in refusal
+
+
+# ------------------------------------------------------------------- older optimizer loads without optim=
+def _legacy_loads_without_optim(use_orig_params):
+    """fsdp1 trains and saves a FULL optimizer dict; each implementation loads it into a fresh model
+    through the older functions with no optimizer (the order of ``model.parameters()``), loads the
+    result into Adam on ``model.parameters()`` and steps once."""
+    rank = dist.get_rank()
+    trained = wrap_fsdp1(make_gpt(), use_orig_params=use_orig_params)
+    optim = adam(trained.parameters())
+    train_steps(trained, optim, 0, 2)
+    full = fsdp1.FullyShardedDataParallel.full_optim_state_dict(trained, optim, rank0_only=False)
+    model_state = trained.state_dict()
+    results = {}
+    for name, wrap, full_params in (("torch", wrap_torch_fsdp, torch_fsdp_full_params), ("fsdp1", wrap_fsdp1, fsdp1_full_params)):
+        fsdp = fsdp_api(name)[0].FullyShardedDataParallel
+        fresh = wrap(make_gpt(seed=5), use_orig_params=use_orig_params)
+        fresh.load_state_dict(model_state)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sharded = fsdp.shard_full_optim_state_dict(copy.deepcopy(full), fresh)
+            scattered = fsdp.scatter_full_optim_state_dict(copy.deepcopy(full) if rank == 0 else None, fresh)
+        fresh_optim = adam(fresh.parameters())
+        fresh_optim.load_state_dict(sharded)
+        train_steps(fresh, fresh_optim, 2, 1)
+        warned = [(w.category.__name__, "is being deprecated and is replaced by" in str(w.message), w.filename == __file__)
+                  for w in caught]
+        results[name] = (sharded, scattered, full_params(fresh), warned)
+    return results
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_shard_and_scatter_full_optim_state_dict_without_optim_give_torchs_dict(use_orig_params):
+    for results in run_on_ranks(2, _legacy_loads_without_optim, use_orig_params):
+        (theirs_sharded, theirs_scattered, theirs_params, theirs_warned) = results["torch"]
+        (ours_sharded, ours_scattered, ours_params, ours_warned) = results["fsdp1"]
+        assert same_values(ours_sharded, theirs_sharded)
+        assert same_values(ours_scattered, theirs_scattered)
+        assert same_values(ours_params, theirs_params)  # after a step from the loaded state
+        assert ours_warned == theirs_warned == [("FutureWarning", True, True)] * 2

@@ -1,7 +1,9 @@
 """Tests that prefetching (backward_prefetch, forward_prefetch) changes only when parameters are
 gathered: training stays bitwise equal to torch's FSDP1 with the same options, the next unit is
 really in flight while the current one computes, no more than one unit ahead is gathered, and a
-forward order that changes between iterations still trains exactly like DDP."""
+forward order that changes between iterations still trains exactly like DDP. Under ``fully_shard``,
+explicit prefetching (``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch``),
+``reshard_after_forward=False`` and one group of two modules train bitwise like torch's."""
 
 import copy
 
@@ -18,6 +20,7 @@ from _models import (
     LAYERS,
     batch,
     fsdp1_full_params,
+    fully_shard_pair_trained,
     lm_loss,
     make_gpt,
     max_relative_error,
@@ -145,3 +148,12 @@ def test_prefetch_follows_a_forward_order_that_changes(backward_prefetch):
         assert losses[:4] == losses[4:]
         assert error == 0.0
         assert gathered_after_step == []
+
+
+# ------------------------------------------------------------------- fully_shard: explicit prefetching
+@pytest.mark.parametrize("mode", ["prefetch", "no_reshard", "list"])
+def test_explicit_prefetch_no_reshard_and_a_group_of_two_modules_train_bitwise_like_torch(mode):
+    for placements, (ours, theirs), same in run_on_ranks(2, fully_shard_pair_trained, mode):
+        assert placements
+        assert ours == theirs
+        assert same

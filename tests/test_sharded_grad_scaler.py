@@ -1,7 +1,8 @@
 """Tests ``fsdp1.sharded_grad_scaler.ShardedGradScaler`` in fp16 training: the steps it skips, its
 scale and the parameters equal torch's ShardedGradScaler driving torch's FSDP1; an overflow that
 only one rank's shard sees makes every rank skip (a plain GradScaler would let the others step);
-on CPU, with CPU offload, and with fp16 gradients (``keep_low_precision_grads``)."""
+on CPU, with CPU offload, and with fp16 gradients (``keep_low_precision_grads``). ``use_as_torch_fsdp``
+puts fsdp1's ShardedGradScaler at torch's import paths, and puts torch's back."""
 
 import copy
 
@@ -56,7 +57,8 @@ def test_skips_the_steps_torchs_skips(keep_low, offload):
         assert scales == their_scales
         assert losses == their_losses
         assert error == 0.0
-        assert scales[0] < 2.0**16 and any(b > a for a, b in zip(scales, scales[1:]))  # backed off, then grew
+        assert scales[0] < 2.0**16  # backed off
+        assert any(b > a for a, b in zip(scales, scales[1:]))  # then grew
 
 
 def _overflow_on_one_rank(scaler_class):
@@ -79,3 +81,19 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank():
     assert run_on_ranks(2, _overflow_on_one_rank, ShardedGradScaler) == [(False, 2.0), (False, 2.0)]
     # The plain GradScaler decides per rank: rank 1 steps while rank 0 skips (what this scaler prevents).
     assert run_on_ranks(2, _overflow_on_one_rank, torch.amp.GradScaler) == [(False, 2.0), (True, 4.0)]
+
+
+# ------------------------------------------------------------------- use_as_torch_fsdp
+def test_use_as_torch_fsdp_puts_fsdp1s_sharded_grad_scaler_at_torchs_paths_and_back():
+    import torch.distributed.fsdp as torch_fsdp
+    import torch.distributed.fsdp.sharded_grad_scaler as torch_scaler_module
+
+    original = torch_scaler_module.ShardedGradScaler
+    exported = hasattr(torch_fsdp, "ShardedGradScaler")
+    with fsdp1.use_as_torch_fsdp():
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        assert ShardedGradScaler is fsdp1.sharded_grad_scaler.ShardedGradScaler
+        assert not exported or torch_fsdp.ShardedGradScaler is ShardedGradScaler
+    assert torch_scaler_module.ShardedGradScaler is original
+    assert hasattr(torch_fsdp, "ShardedGradScaler") == exported

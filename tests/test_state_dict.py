@@ -3,7 +3,8 @@
 sharded checkpoints through ``torch.distributed.checkpoint`` resharded across world sizes, strategies
 and wrappings; checkpoints exchanged with torch's FSDP1 both ways; torch's own enums and configs;
 and loads that fail, which must change nothing; ``summon_full_params`` and its options, also after a
-forward that no backward followed."""
+forward that no backward followed, between a forward and its backward (as torch's FSDP1), and with
+``offload_to_cpu`` on a NO_SHARD unit (which torch's refuses)."""
 
 import copy
 
@@ -19,16 +20,23 @@ from fsdp1 import StateDictType
 
 from _harness import run_on_ranks
 from _models import (
+    IMPLEMENTATIONS,
     Block,
+    LinearNet,
     batch,
     build,
     fsdp1_full_params,
+    fsdp_api,
+    fsdp_strategy,
+    fsdp_wrapped,
     lm_loss,
     make_gpt,
     make_tied_gpt,
     max_relative_error,
     plain_params,
     relative_errors,
+    same_values,
+    summoned_full_params,
     train,
     wrap_fsdp1,
     wrap_torch_fsdp,
@@ -136,8 +144,10 @@ def _under_plain_root(use_orig_params):
 @pytest.mark.parametrize("use_orig_params", [False, True])
 def test_state_dict_through_a_root_that_is_not_a_unit(use_orig_params):
     for equal, kinds, rank0_only, rank, _ in run_on_ranks(2, _under_plain_root, use_orig_params):
-        assert equal and kinds == {"DTensor"}
-        assert rank0_only == (["extra.weight", "extra.bias"] if rank else rank0_only) and (rank or len(rank0_only) > 2)
+        assert equal
+        assert kinds == {"DTensor"}
+        assert rank0_only == (["extra.weight", "extra.bias"] if rank else rank0_only)
+        assert rank or len(rank0_only) > 2
 
 
 # ---------------------------------------------------------------------------------------- round trips
@@ -293,7 +303,8 @@ def _failed_load(kind, damage, use_orig_params):
 @pytest.mark.parametrize("damage", ["missing", "unexpected", "shape"])
 def test_a_failed_load_names_the_key_and_changes_nothing(kind, damage, use_orig_params):
     for message, unchanged, keys, loaded_rest in run_on_ranks(2, _failed_load, kind, damage, use_orig_params):
-        assert unchanged and loaded_rest
+        assert unchanged
+        assert loaded_rest
         assert "_fsdp_wrapped_module" not in message
         if damage == "missing":
             assert "missing key(s) 'blocks.1.fc.weight'" in message
@@ -325,7 +336,8 @@ def test_a_key_missing_from_a_sharded_checkpoint_is_an_error(tmp_path):
     # A SHARDED dict missing a key is refused by load_state_dict itself (test above; torch's FSDP1
     # logs and skips the weight); through DCP the template's keys must all be in the checkpoint.
     for name, names_key in run_on_ranks(2, _missing_in_checkpoint, str(tmp_path)):
-        assert name is not None and names_key
+        assert name is not None
+        assert names_key
 
 
 # ---------------------------------------------------------------------------------------- settings
@@ -350,11 +362,14 @@ def _settings():
 
 def test_state_dict_type_settings_accept_torchs_objects_and_restore():
     default, previous, now, error, inside, after = run_on_ranks(2, _settings)[0]
-    assert default.state_dict_type is StateDictType.FULL_STATE_DICT and previous == default
+    assert default.state_dict_type is StateDictType.FULL_STATE_DICT
+    assert previous == default
     assert now.state_dict_type is StateDictType.SHARDED_STATE_DICT
     assert now.state_dict_config == fsdp1.ShardedStateDictConfig(offload_to_cpu=True)
-    assert "LocalStateDictConfig" in error and "FullStateDictConfig" in error
-    assert inside is StateDictType.FULL_STATE_DICT and after == now
+    assert "LocalStateDictConfig" in error
+    assert "FullStateDictConfig" in error
+    assert inside is StateDictType.FULL_STATE_DICT
+    assert after == now
 
 
 # ---------------------------------------------------------------------------------------- torch's DCP state-dict API
@@ -515,10 +530,58 @@ def _summon_after_a_forward_without_backward(strategy, use_orig_params):
 def test_summon_full_params_after_a_forward_that_no_backward_followed(strategy, use_orig_params):
     for summon_error, (ours, ddp), error in run_on_ranks(2, _summon_after_a_forward_without_backward, strategy, use_orig_params):
         assert summon_error <= TOLERANCE  # the stepped values, not those gathered before the step
-        assert relative_errors(ours, ddp) <= TOLERANCE and error <= TOLERANCE
+        assert relative_errors(ours, ddp) <= TOLERANCE
+        assert error <= TOLERANCE
 
 
 # ---------------------------------------------------------------------------------------- offline tool
+def _summon_between_forward_and_backward(strategy, use_orig_params):
+    results = {}
+    for name in IMPLEMENTATIONS:
+        torch.manual_seed(0)
+        model = fsdp_wrapped(name, LinearNet(), sharding_strategy=fsdp_strategy(name, strategy), use_orig_params=use_orig_params)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        loss = model(torch.randn(2, 4) + dist.get_rank()).sum()
+        with fsdp_api(name)[0].FullyShardedDataParallel.summon_full_params(model):
+            pass
+        loss.backward()
+        optim.step()
+        results[name] = summoned_full_params(name, model)
+    return results
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+def test_summon_full_params_between_forward_and_backward_leaves_the_backward_intact(strategy, use_orig_params):
+    """fsdp1's write-back bumped the version counter autograd checks, so the backward failed."""
+    for result in run_on_ranks(2, _summon_between_forward_and_backward, strategy, use_orig_params):
+        assert same_values(result["fsdp1"], result["torch"])
+
+
+def _offload_to_cpu_on_no_shard():
+    """A documented difference: torch's refuses ``offload_to_cpu=True`` for a NO_SHARD unit even on
+    CPU; fsdp1 gives the full parameters, as for the other strategies."""
+    found = {}
+    for name in IMPLEMENTATIONS:
+        api, kwargs = fsdp_api(name)
+        torch.manual_seed(0)
+        model = api.FullyShardedDataParallel(LinearNet(), sharding_strategy=api.ShardingStrategy.NO_SHARD, **kwargs)
+        try:
+            with api.FullyShardedDataParallel.summon_full_params(model, offload_to_cpu=True):
+                found[name] = [(n.replace("_fsdp_wrapped_module.", ""), p.detach().clone()) for n, p in model.named_parameters()]
+        except NotImplementedError:
+            found[name] = "NotImplementedError"
+    torch.manual_seed(0)
+    return found, list(LinearNet().named_parameters())
+
+
+def test_offload_to_cpu_on_a_no_shard_unit_works_where_torchs_refuses():
+    for found, plain in run_on_ranks(2, _offload_to_cpu_on_no_shard):
+        assert found["torch"] == "NotImplementedError"
+        assert [n for n, _ in found["fsdp1"]] == [n for n, _ in plain]
+        assert all(torch.equal(ours, theirs) for (_, ours), (_, theirs) in zip(found["fsdp1"], plain))
+
+
 def test_checkpoint_tool_consolidates_an_fsdp1_checkpoint_into_the_plain_model(tmp_path):
     import subprocess
     import sys
@@ -595,7 +658,8 @@ def _batchnorm_buffer_missing():
 
 def test_a_missing_batchnorm_buffer_is_refused_before_anything_loads():
     for message, unchanged in run_on_ranks(2, _batchnorm_buffer_missing):
-        assert "missing key(s) 'bn.running_mean'" in message and unchanged
+        assert "missing key(s) 'bn.running_mean'" in message
+        assert unchanged
 
 
 # ---------------------------------------------------------------------------------------- activation checkpointing
@@ -657,4 +721,5 @@ def _full_inside_summon(use_orig_params):
 def test_a_full_state_dict_inside_summon_full_params_equals_torchs(use_orig_params):
     for ours, theirs in run_on_ranks(2, _full_inside_summon, use_orig_params):
         for mine, torchs in zip(ours, theirs):
-            assert list(mine) == list(torchs) and all(torch.equal(mine[k], torchs[k]) for k in torchs)
+            assert list(mine) == list(torchs)
+            assert all(torch.equal(mine[k], torchs[k]) for k in torchs)

@@ -1,7 +1,10 @@
 """Tests that every auto-wrap policy of ``fsdp1.wrap`` (and ``enable_wrap``/``wrap``) makes exactly the
 units torch's makes, with the same per-unit kwargs, on a transformer, a CNN with BatchNorm and nested
 ``ModuleList``s, and a Hugging Face GPT-2; and that the wrapped models train bitwise like torch's. A unit
-wrapped around a unit by hand (``FSDP(FSDP(m))``) trains exactly as one wrap does."""
+wrapped around a unit by hand (``FSDP(FSDP(m))``) trains exactly as one wrap does. The private helpers
+of torch's ``wrap`` module that clients import (``_or_policy``, ``_module_wrap_policy``,
+``_wrap_module_cls_individually``, ``_recursive_wrap``) decide and wrap as torch's, and torch's policy
+objects given to fsdp1's class (a size-based one not counting ignored parameters) plan torch's units."""
 
 import functools
 
@@ -19,10 +22,12 @@ from fsdp1._engine.traversal import clean_fqn
 
 from _harness import run_on_ranks
 from _models import (
+    IMPLEMENTATIONS,
     Block,
     batch,
     build,
     fsdp1_full_params,
+    fsdp_api,
     lm_loss,
     make_gpt,
     max_relative_error,
@@ -216,4 +221,101 @@ def _wrap_twice_nested(strategy, use_orig_params):
 def test_a_unit_around_a_unit_trains_like_one_wrap(strategy, use_orig_params):
     for (nested, once, ddp), error in run_on_ranks(2, _wrap_twice_nested, strategy, use_orig_params):
         assert nested == once
-        assert relative_errors(nested, ddp) <= TOLERANCE and error <= TOLERANCE
+        assert relative_errors(nested, ddp) <= TOLERANCE
+        assert error <= TOLERANCE
+
+
+# ------------------------------------------------------------------- the private helpers of torch's wrap module, and torch's policy objects
+class Checkpointed(nn.Module):
+    """A wrapper of the kind clients pass to ``_recursive_wrap`` (activation checkpointing)."""
+
+    def __init__(self, module, **kwargs):
+        super().__init__()
+        self.inner = module
+        self.kwargs = kwargs
+
+
+def _tree():
+    return nn.Sequential(
+        nn.Linear(8, 8),
+        nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.LayerNorm(4)),
+        nn.Sequential(nn.Embedding(10, 8), nn.Linear(4, 4)),  # its embedding is the ignored module below
+    )
+
+
+def _policies(wrap):
+    linear_or_norm = functools.partial(wrap._or_policy, policies=[
+        functools.partial(wrap.lambda_auto_wrap_policy, lambda_fn=lambda m: isinstance(m, nn.LayerNorm)),
+        functools.partial(wrap.transformer_auto_wrap_policy, transformer_layer_cls={nn.Linear}),
+    ])
+    return {
+        "or": linear_or_norm,
+        "module": functools.partial(wrap._module_wrap_policy, module_classes={nn.Embedding, nn.Sequential}),
+        "individually": functools.partial(wrap._wrap_module_cls_individually, module_classes=[nn.ReLU]),
+        "or_size": functools.partial(wrap._or_policy, policies=[
+            functools.partial(wrap.size_based_auto_wrap_policy, min_num_params=40),
+            functools.partial(wrap._wrap_module_cls_individually, module_classes=[nn.LayerNorm]),
+        ]),
+    }
+
+
+@pytest.mark.parametrize("policy", ["or", "module", "individually", "or_size"])
+def test_private_wrap_helpers_decide_and_wrap_as_torchs(policy):
+    from torch.distributed.fsdp import wrap as torch_wrap
+
+    ours, theirs = _policies(fsdp1.wrap)[policy], _policies(torch_wrap)[policy]
+    for module in _tree().modules():
+        for recurse in (True, False):
+            for numel in (0, 40, 1000):
+                assert ours(module=module, recurse=recurse, nonwrapped_numel=numel) == \
+                    theirs(module=module, recurse=recurse, nonwrapped_numel=numel)
+    for only_wrap_children in (False, True):
+        results = []
+        for wrap, chosen in ((fsdp1.wrap, ours), (torch_wrap, theirs)):
+            root = _tree()
+            ignored = {root[2][0]}
+            wrapped, numel = wrap._recursive_wrap(root, chosen, Checkpointed, ignored, set(root[2][0].parameters()),
+                                                  only_wrap_children=only_wrap_children, tag=1)
+            results.append((repr(wrapped), numel))
+        assert results[0] == results[1]
+
+
+def test_recursive_wrap_refuses_a_tree_already_wrapped_as_torchs():
+    from torch.distributed.fsdp import wrap as torch_wrap
+
+    for wrap in (fsdp1.wrap, torch_wrap):
+        root = _tree()
+        root[0] = Checkpointed(root[0])
+        with pytest.raises(AssertionError, match="already wrapped by"):
+            wrap._recursive_wrap(root, wrap.always_wrap_policy, Checkpointed, set(), set())
+
+
+def _torchs_policy_objects_and_ignored_numel():
+    """fsdp1's class given torch's policy objects (what a client under ``use_as_torch_fsdp`` passes),
+    and a size-based policy that must not count ignored parameters, wraps as torch's does."""
+    from torch.distributed.fsdp import ShardingStrategy
+    from torch.distributed.fsdp import wrap as torch_wrap
+
+    policies = [
+        torch_wrap.CustomPolicy(lambda m: {"sharding_strategy": ShardingStrategy.SHARD_GRAD_OP} if isinstance(m, nn.Linear) else False),
+        torch_wrap.ModuleWrapPolicy({nn.Sequential}),
+        functools.partial(torch_wrap.size_based_auto_wrap_policy, min_num_params=60),
+    ]
+    structures = []
+    for policy in policies:
+        seen = []
+        for name in IMPLEMENTATIONS:
+            api, kwargs = fsdp_api(name)
+            torch.manual_seed(0)
+            root = _tree()
+            model = api.FullyShardedDataParallel(root, auto_wrap_policy=policy, ignored_modules=[root[2][0]], **kwargs)
+            units = api.FullyShardedDataParallel.fsdp_modules(model)
+            seen.append((repr(model), [unit.sharding_strategy.name for unit in units]))
+        structures.append(seen)
+    return structures
+
+
+def test_torchs_policy_objects_and_ignored_parameters_plan_the_same_units():
+    for structures in run_on_ranks(2, _torchs_policy_objects_and_ignored_numel):
+        for theirs, ours in structures:
+            assert ours == theirs
