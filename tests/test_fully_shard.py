@@ -123,6 +123,36 @@ def test_reshard_after_forward_onto_two_of_four_ranks_is_torchs():
         assert ours_after == theirs_after  # Shard(0) over 4 ranks again after backward
 
 
+def _late_wait_while_rows_are_kept():
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    seen = []
+    for shard in (fsdp1.fully_shard, torchs_fully_shard()):
+        model = shard_gpt(make_gpt(), shard, reshard_after_forward=2)
+        optim = adam(model.parameters())
+        handle = model.blocks[0].unshard(async_op=True)
+        losses, kept = [], []
+        for step in range(2):
+            loss = lm_loss(model, *batch(step, rank, world_size))
+            if step == 0:
+                handle.wait()  # the forward used its gather; the block keeps its rows over 2 ranks now
+            weight = model.blocks[0].fc.weight
+            kept.append((tuple(weight.placements), weight.full_tensor().sum().item()))
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            losses.append(loss.item())
+        seen.append((losses, kept, local_shards(model)))
+    (ours, ours_kept, ours_params), (theirs, theirs_kept, theirs_params) = seen
+    return ours, theirs, ours_kept, theirs_kept, all(torch.equal(a, b) for a, b in zip(ours_params, theirs_params))
+
+
+def test_a_late_wait_on_a_module_that_keeps_its_rows_after_forward_does_nothing_as_torchs():
+    for ours, theirs, ours_kept, theirs_kept, same in run_on_ranks(4, _late_wait_while_rows_are_kept):
+        assert ours == theirs  # bitwise losses over 2 Adam steps
+        assert ours_kept == theirs_kept  # the rows the block shows after the wait: (Replicate(), Shard(0)), torch's values
+        assert same  # parameters after the steps
+
+
 def _unshard_and_reshard():
     model = shard_gpt(make_gpt(), fsdp1.fully_shard)
     full = {n: p.full_tensor() for n, p in model.named_parameters()}
