@@ -22,7 +22,7 @@ import torch
 
 from . import collectives as comm
 from .device import wait_for_device
-from .layout import ParamLayout
+from .layout import ParamLayout, free_storage
 from .mixed_precision import HandlePrecision
 from .shard_math import gradient_divide_factors
 from .views import ParamViews, assign_grad
@@ -73,10 +73,16 @@ class GradReduction:
     work: Optional[comm.Waitable]  # None: a comm hook finished it already
     unsharded_grad: torch.Tensor  # kept alive until the collective has read it
     reduced: torch.Tensor
+    frees_input: bool = False
+    """Free the unsharded gradient's storage once the collective has read it (a reduce-scatter of
+    fsdp1's own): a gloo worker drops its reference a moment after the wait, which would otherwise
+    keep it alive past the next allocation, or not, by the threads' timing."""
 
     def finish(self) -> None:
         if self.work is not None:
             self.work.wait()
+        if self.frees_input:
+            free_storage(self.unsharded_grad)
         self.grad.add_reduced(self.reduced)
 
 
@@ -323,7 +329,7 @@ class FlatGrad:
             work: comm.Waitable = comm.reduce_scatter_into(reduced, grad, self._group, self.path)
         else:
             work = comm.all_reduce(grad, self._group, self.path)
-        return GradReduction(self, work, grad, reduced)
+        return GradReduction(self, work, grad, reduced, frees_input=sharded)
 
     def add_reduced(self, reduced: torch.Tensor) -> None:
         """A reduction finished: all-reduce it over the replicas (hybrid strategies), keep the span,

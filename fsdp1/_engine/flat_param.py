@@ -166,6 +166,7 @@ class FlatParamHandle:
         if self._needs_unshard:
             self._free_unsharded()
         self._gather_work: Optional[comm.Waitable] = None
+        self._gather_input: Optional[torch.Tensor] = None  # the cast or copied shard a gather in flight reads
         self._rows_after_forward = rows_after_forward
         self._forward_views: List[torch.Tensor] = []  # the last forward's, tied to autograd
 
@@ -303,6 +304,7 @@ class FlatParamHandle:
             return
         source = self._local_shard.to(device=target.device, dtype=target.dtype, non_blocking=True)
         self._gather_work = self.layout.all_gather(target, source, self.group, self.path)
+        self._gather_input = None if source is self._local_shard else source
         self.state = HandleState.UNSHARDING
 
     def wait_unshard(self) -> None:
@@ -317,8 +319,11 @@ class FlatParamHandle:
         """Wait for the all-gather once: a failed one is not waited for again by the reshard that
         undoes the aborted forward."""
         work, self._gather_work = self._gather_work, None
+        gather_input, self._gather_input = self._gather_input, None
         if work is not None:
             work.wait()
+        if gather_input is not None:  # freed now: a gloo worker drops its reference a moment later
+            free_storage(gather_input)
 
     def use_unsharded_views(self) -> Optional[torch.autograd.graph.Node]:
         """Give the module views of the unsharded flat parameter, made under the caller's grad mode so
