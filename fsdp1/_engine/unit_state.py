@@ -1,11 +1,12 @@
 """``UnitState``: one unit's runtime state, whose methods are the unit's forward and backward hooks.
-The only module that registers a unit's forward and autograd hooks (the full-precision modules of
-mixed precision cast their own inputs and outputs with hooks of ``_wrapper.mixed_precision``).
+The only module that registers a unit's forward and autograd hooks (``group_forward`` registers a
+group's on its behalf; the full-precision modules of FSDP1's mixed precision cast their own inputs
+and outputs with hooks of ``_wrapper.mixed_precision``).
 
 A unit is the module that owns the state (``owner``: a ``FullyShardedDataParallel``, or any module
 that holds a ``UnitState`` under ``FSDP_STATE``) and the module whose forward the hooks wrap
 (``hooked``: the wrapped module, or the owner itself). The state owns the handle, the process
-group, the prefetch settings, the sync flag, the training state and the link to the root's
+group, the schedule its front resolved, the sync flag, the training state and the link to the root's
 ``RootState``; nothing else writes them.
 
 The hooks run eagerly under ``torch.compile``: dynamo breaks the graph at each of them and compiles
