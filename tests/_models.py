@@ -14,6 +14,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import fsdp1
 from fsdp1._engine.traversal import unit_paths
 
+from _harness import run_on_ranks
+
 VOCAB, SEQ, D_MODEL, HEADS, LAYERS, HIDDEN = 37, 9, 10, 2, 2, 31
 """Sizes chosen so that no flat parameter divides evenly: every unit (1111 and 887 elements) needs
 padding on 2 and 4 ranks."""
@@ -305,10 +307,13 @@ def train_each(models, steps: int = 3, dtype: torch.dtype = torch.float32, after
 
 
 # ------------------------------------------------------------------ fully_shard (torch's FSDP2 API)
-def shard_gpt(model, shard, **kwargs):
-    """Blocks first, then the root, as torch's documentation does."""
+def shard_gpt(model, shard, head_group=False, **kwargs):
+    """Blocks first, then (``head_group``) the final norm and the head as one group, then the root, as
+    torch's documentation does."""
     for block in model.blocks:
         shard(block, **kwargs)
+    if head_group:
+        shard([model.ln_f, model.head], **kwargs)
     shard(model, **kwargs)
     return model
 
@@ -318,6 +323,42 @@ def torchs_fully_shard():
     from torch.distributed.fsdp import fully_shard
 
     return fully_shard
+
+
+def fully_shard_of(impl):
+    """``fully_shard`` of ``impl``: ``"fsdp1"`` or ``"torch"``."""
+    if impl == "fsdp1":
+        return fsdp1.fully_shard
+    return torchs_fully_shard()
+
+
+def run_both(body, *args, world_size=2):
+    """Rank 0's result of ``body(impl, *args)`` under fsdp1's ``fully_shard`` and under torch's."""
+    return tuple(run_on_ranks(world_size, body, impl, *args)[0] for impl in ("fsdp1", "torch"))
+
+
+def full_grads(model):
+    """The full gradient of every DTensor parameter of a ``fully_shard`` model (None where it has none)."""
+    return [None if p.grad is None else p.grad.full_tensor() for p in model.parameters()]
+
+
+def same_tensors(xs, ys):
+    """Equal lengths and, pairwise, both None or bitwise equal tensors."""
+    return len(xs) == len(ys) and all(
+        (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y)) for x, y in zip(xs, ys)
+    )
+
+
+class Trunk(TinyGPT):
+    """torchtitan's chunked loss: the model's forward stops before the head, which runs per chunk."""
+
+    def forward(self, idx):
+        return self.ln_f(self.blocks(self.tok(idx) + self.pos[: idx.shape[1]]))
+
+
+def make_trunk():
+    torch.manual_seed(0)
+    return Trunk()
 
 
 def local_shards(model):

@@ -1,6 +1,8 @@
 """Tests gradient accumulation without synchronising gradients, whichever API drives it: under
 ``fully_shard``, ``set_requires_gradient_sync(False)`` (with and without ``set_reshard_after_backward``)
-trains bitwise like torch's ``fully_shard`` and within 1e-5 of DDP's ``no_sync``; under
+trains bitwise like torch's ``fully_shard`` and within 1e-5 of DDP's ``no_sync``, also with bf16 compute and fp32 reduction (the unreduced gradients
+accumulate in fp32), and a chunked loss (torchtitan's: a forward that skips the ``[norm, head]`` group, then
+the head per chunk with a backward each) accumulates as torch's ``fully_shard``; under
 ``FullyShardedDataParallel``, inside ``no_sync()`` the original parameters show the local unsharded
 gradient (every strategy, as torch's FSDP1), and SHARD_GRAD_OP keeps the unsharded flat parameter
 across it and trains as torch's. (``no_sync`` against DDP for every strategy: test_parity.)"""
@@ -8,6 +10,7 @@ across it and trains as torch's. (``no_sync`` against DDP for every strategy: te
 import pytest
 import torch
 import torch.distributed as dist
+from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsdp1
@@ -15,14 +18,21 @@ import fsdp1
 from _harness import run_on_ranks
 from _models import (
     IMPLEMENTATIONS,
+    VOCAB,
     LinearNet,
+    TinyGPT,
     adam,
     batch,
     fsdp_strategy,
     fsdp_wrapped,
+    full_grads,
+    fully_shard_of,
     lm_loss,
     local_shards,
     make_gpt,
+    make_trunk,
+    run_both,
+    same_tensors,
     same_values,
     shard_gpt,
     summoned_full_params,
@@ -78,6 +88,66 @@ def test_gradient_accumulation_without_sync_is_torchs_and_ddps_no_sync(reshard_a
         # After an unsynchronised backward the sharded parameters have no .grad; kept gathered, the
         # module holds the unsharded parameters, whose .grad is the unreduced sum (as torch's).
         assert ours_none == theirs_none == [reshard_after_backward] * 2
+
+
+# ------------------------------------------------------------------- fully_shard: several backwards a step, bf16 compute
+def _chunked_loss(impl):
+    shard = fully_shard_of(impl)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = make_trunk()
+    shard_gpt(model, shard, head_group=True)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, grads = [], []
+    for step in range(2):
+        inputs, targets = batch(step, rank, world_size, batch_size=4)
+        hidden = model(inputs)
+        detached = hidden.detach().requires_grad_(True)
+        for chunk, chunk_targets in zip(detached.chunk(2), targets.chunk(2)):
+            loss = F.cross_entropy(model.head(chunk).reshape(-1, VOCAB), chunk_targets.reshape(-1))
+            loss.backward()
+            losses.append(loss.item())
+        hidden.backward(detached.grad)
+        grads.append(full_grads(model))
+        optim.step()
+        optim.zero_grad()
+    return losses, grads
+
+
+def test_a_chunked_loss_through_a_group_that_the_forward_skipped_trains_as_torchs():
+    ours, theirs = run_both(_chunked_loss)
+    assert ours[0] == theirs[0]
+    assert all(same_tensors(a, b) for a, b in zip(ours[1], theirs[1]))
+
+
+def _accumulate_in_reduce_dtype(impl):
+    shard = fully_shard_of(impl)
+    policy_class = fsdp1.MixedPrecisionPolicy if impl == "fsdp1" else torch.distributed.fsdp.MixedPrecisionPolicy
+    policy = policy_class(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = TinyGPT()
+    for block in model.blocks:
+        shard(block, mp_policy=policy)
+    shard(model, mp_policy=policy)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads = []
+    for step in range(2):
+        for micro in range(4):
+            model.set_requires_gradient_sync(micro == 3)
+            inputs, targets = batch(4 * step + micro, rank, world_size)
+            F.cross_entropy(model(inputs).float().reshape(-1, VOCAB), targets.reshape(-1)).backward()
+        grads.append(full_grads(model))
+        optim.step()
+        optim.zero_grad()
+    return grads
+
+
+def test_bf16_compute_with_fp32_reduction_accumulates_unreduced_gradients_in_fp32_as_torchs():
+    ours, theirs = run_both(_accumulate_in_reduce_dtype)
+    assert all(g.dtype == torch.float32 for g in ours[0])
+    assert same_tensors(ours[0], theirs[0])
+    assert same_tensors(ours[1], theirs[1])
+
 
 
 # ------------------------------------------------------------------- FullyShardedDataParallel: no_sync()

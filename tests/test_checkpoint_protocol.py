@@ -84,9 +84,12 @@ def _round_trip_and_refusals(root):
 
 def test_a_committed_checkpoint_loads_bitwise_and_is_never_written_into_or_saved_twice(tmp_path):
     for equal, again, busy, committed, names in run_on_ranks(2, _round_trip_and_refusals, str(tmp_path)):
-        assert equal and committed
-        assert again[0] == "CheckpointExists" and "already holds a committed checkpoint" in again[1]
-        assert busy[0] == "CheckpointBusy" and "host elsewhere pid 4242" in busy[1]
+        assert equal
+        assert committed
+        assert again[0] == "CheckpointExists"
+        assert "already holds a committed checkpoint" in again[1]
+        assert busy[0] == "CheckpointBusy"
+        assert "host elsewhere pid 4242" in busy[1]
         assert names == ["step_000002", "step_000004.lock"]  # no staging left, the other job's lock kept
 
 
@@ -200,7 +203,8 @@ def _pruned(root):
 def test_prune_keeps_the_latest_committed_and_removes_dead_staging(tmp_path):
     for before, removed, left in run_on_ranks(2, _pruned, str(tmp_path)):
         assert before == "step_000006"
-        assert removed == ["step_000002", "step_000008.partial-0123456789ab"] and left == ["step_000004", "step_000006"]
+        assert removed == ["step_000002", "step_000008.partial-0123456789ab"]
+        assert left == ["step_000004", "step_000006"]
 
 
 JOB_STARTED = '''
@@ -232,7 +236,8 @@ def _killed_job(template, tmp_path):
     """Run the job ``template`` (checkpoints under ``tmp_path/ckpt``) on 2 plain processes, one of which
     dies: the other must fail too, and nothing may hang or outlive the job."""
     job = run_job(tmp_path, template.format(root=str(tmp_path / "ckpt")), torchrun=False)
-    assert not failed(job) and all(code != 0 for code in job.returncodes), (failed(job), job.output[-2000:])
+    assert not failed(job), (failed(job), job.output[-2000:])
+    assert all(code != 0 for code in job.returncodes), (failed(job), job.output[-2000:])
 
 
 def test_a_rank_killed_during_a_save_leaves_the_last_committed_checkpoint_latest(tmp_path):
@@ -241,7 +246,8 @@ def test_a_rank_killed_during_a_save_leaves_the_last_committed_checkpoint_latest
 
     _killed_job(JOB, tmp_path)
     names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
-    assert "step_000002" not in names and any(name.startswith("step_000002.partial-") for name in names)
+    assert "step_000002" not in names
+    assert any(name.startswith("step_000002.partial-") for name in names)
     assert checkpoint.latest(tmp_path / "ckpt").name == "step_000001"
     assert checkpoint.verify(tmp_path / "ckpt" / "step_000001")
     with pytest.raises(checkpoint.CheckpointIncomplete, match="no such directory"):
@@ -328,7 +334,8 @@ def _into_a_wider_model(root):
 def test_loading_into_another_model_names_the_key_and_both_shapes_on_every_rank(tmp_path):
     """Case C8."""
     for kind, message in run_on_ranks(2, _into_a_wider_model, str(tmp_path)):
-        assert kind == "CheckpointError" and "rank(s) [0, 1]" in message
+        assert kind == "CheckpointError"
+        assert "rank(s) [0, 1]" in message
         assert "saved torch.Size([8, 4]) and current: torch.Size([12, 4]) for model.0.weight" in message
 
 
@@ -351,7 +358,8 @@ def _stale_lock(root):
 
 def test_a_lock_left_by_a_dead_process_of_this_host_is_taken_over(tmp_path):
     for committed, names in run_on_ranks(2, _stale_lock, str(tmp_path)):
-        assert committed and names == ["step_000002"]
+        assert committed
+        assert names == ["step_000002"]
 
 
 def _small(seed):
@@ -394,7 +402,8 @@ def test_a_checkpoint_saved_on_2_ranks_loads_bitwise_on_another_number(world_siz
     """Case C9: model and Adam state saved at 2 ranks, loaded at 1, 3 and 4."""
     saved_params, saved_optim = run_on_ranks(2, _save_for_resharding, str(tmp_path))[0]
     for params, optim_state in run_on_ranks(world_size, _load_resharded, str(tmp_path)):
-        assert params.keys() == saved_params.keys() and optim_state.keys() == saved_optim.keys()
+        assert params.keys() == saved_params.keys()
+        assert optim_state.keys() == saved_optim.keys()
         assert all(torch.equal(params[k], saved_params[k]) for k in params)
         assert all(torch.equal(optim_state[k], saved_optim[k]) for k in optim_state)
 
@@ -416,7 +425,8 @@ def _non_finite(root):
 def test_a_non_finite_value_is_named_on_every_rank_when_asked(tmp_path):
     """Case N3: ``load(validate_finite=True)`` names the key holding a NaN on every rank."""
     for (kind, message), unchecked in run_on_ranks(2, _non_finite, str(tmp_path)):
-        assert kind == "CheckpointNonFinite" and unchecked is None
+        assert kind == "CheckpointNonFinite"
+        assert unchecked is None
         assert "'optim.state.blocks.1.fc.weight.exp_avg' holds 1 non-finite value(s), the first nan" in message
 
 
@@ -441,7 +451,8 @@ def test_rank_0_killed_while_committing_leaves_the_last_committed_checkpoint_lat
     assert len(staged) == 1
     assert (staged[0] / checkpoint.MANIFEST).is_file()
     assert not checkpoint.is_committed(staged[0])
-    assert checkpoint.latest(tmp_path / "ckpt").name == "step_000001" and checkpoint.verify(tmp_path / "ckpt" / "step_000001")
+    assert checkpoint.latest(tmp_path / "ckpt").name == "step_000001"
+    assert checkpoint.verify(tmp_path / "ckpt" / "step_000001")
     with pytest.raises(checkpoint.CheckpointIncomplete, match="not a committed checkpoint"):
         checkpoint.verify(staged[0])
 
@@ -471,7 +482,8 @@ def _saved_in_the_background(root):
 
 def test_a_background_save_holds_the_state_it_was_given_and_reports_its_failure_on_every_rank(tmp_path):
     for unchanged, mutated, (kind, message), latest in run_on_ranks(2, _saved_in_the_background, str(tmp_path)):
-        assert unchanged and mutated
+        assert unchanged
+        assert mutated
         assert kind == "CheckpointError"
         assert "rank(s) [1]" in message
         assert "No space left on device" in message

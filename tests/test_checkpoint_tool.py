@@ -143,7 +143,8 @@ def run_main(capsys, *argv: Any) -> tuple[int, str, str]:
 def assert_bitwise_equal(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
     assert sorted(actual) == sorted(expected)
     for fqn, tensor in expected.items():
-        assert actual[fqn].dtype == tensor.dtype and torch.equal(actual[fqn], tensor), fqn
+        assert actual[fqn].dtype == tensor.dtype, fqn
+        assert torch.equal(actual[fqn], tensor), fqn
 
 
 def assert_loads_strictly(state_dict: dict[str, torch.Tensor], truth: dict[str, torch.Tensor]) -> None:
@@ -169,7 +170,8 @@ def test_inspect_lists_every_entry_with_its_shape_dtype_bytes_and_one_chunk_per_
     assert header.split() == ["key", "shape", "dtype", "bytes", "chunks"]
     assert [row.split()[0] for row in rows] == [entry["key"] for entry in expected]
     for row, entry in zip(rows, expected):
-        assert str(tuple(entry["shape"])) in row and f" {entry['dtype']} " in row
+        assert str(tuple(entry["shape"])) in row
+        assert f" {entry['dtype']} " in row
         assert row.split()[-2:] == [str(entry["nbytes"]), str(WORLD_SIZE)]
     count = len(truth)
     assert total == f"total: entries {count} (tensors {count}, objects 0), {nbytes} bytes of tensors (0.00 MiB)"
@@ -180,7 +182,8 @@ def test_inspect_lists_non_tensor_entries_as_objects(nested, truth, capsys):
     listing = json.loads(out)
     assert {"key": "step", "type": "object"} in listing["entries"]
     assert {"key": "optim.lr", "type": "object"} in listing["entries"]
-    assert listing["total"]["objects"] == 2 and listing["total"]["tensors"] == len(truth)
+    assert listing["total"]["objects"] == 2
+    assert listing["total"]["tensors"] == len(truth)
 
 
 @pytest.mark.parametrize("suffix, read", [(".pt", lambda path: torch.load(path, weights_only=True)),
@@ -209,7 +212,8 @@ def test_consolidate_pt_keeps_the_nesting_that_was_saved(nested, truth, tmp_path
     assert run_main(capsys, "consolidate", nested, out)[0] == 0
     loaded = torch.load(out, weights_only=True)
     assert sorted(loaded) == ["model", "optim", "step"]
-    assert loaded["step"] == 7 and loaded["optim"] == {"lr": 0.1}
+    assert loaded["step"] == 7
+    assert loaded["optim"] == {"lr": 0.1}
     assert_bitwise_equal(loaded["model"], truth)
 
 
@@ -250,7 +254,8 @@ def test_consolidate_safetensors_refuses_non_tensor_entries_by_name(nested, tmp_
 
 def test_consolidate_prefix_that_matches_nothing_is_an_error(nested, tmp_path, capsys):
     code, _, err = run_main(capsys, "consolidate", nested, tmp_path / "x.pt", "--prefix", "modle.")
-    assert code == 1 and f"{nested}: no key starts with 'modle.'" in err
+    assert code == 1
+    assert f"{nested}: no key starts with 'modle.'" in err
     assert list(tmp_path.iterdir()) == []
 
 
@@ -327,8 +332,10 @@ def test_consolidate_missing_shard_file_is_an_error_naming_it(sharded, tmp_path,
     shutil.copytree(sharded, directory)
     (directory / "__1_0.distcp").unlink()
     code, _, err = run_main(capsys, "consolidate", directory, out, *prefix)
-    assert code == 1 and f"{directory}: a data file is missing or damaged (FileNotFoundError: " in err
-    assert str(directory / "__1_0.distcp") in err and err.count("\n") == 1
+    assert code == 1
+    assert f"{directory}: a data file is missing or damaged (FileNotFoundError: " in err
+    assert str(directory / "__1_0.distcp") in err
+    assert err.count("\n") == 1
     assert sorted(path.name for path in tmp_path.iterdir()) == ["ckpt"]
 
 
@@ -339,7 +346,8 @@ def test_to_dcp_output_is_a_committed_fsdp1_checkpoint_whose_damage_inspect_name
     source, directory = tmp_path / "model.pt", tmp_path / "ckpt"
     torch.save(truth, source)
     assert run_main(capsys, "to-dcp", source, directory)[0] == 0
-    assert checkpoint.is_committed(directory) and ".metadata" in checkpoint.verify(directory)
+    assert checkpoint.is_committed(directory)
+    assert ".metadata" in checkpoint.verify(directory)
     data = bytearray((directory / "__0_0.distcp").read_bytes())
     data[len(data) // 2] ^= 1
     (directory / "__0_0.distcp").write_bytes(bytes(data))
@@ -352,7 +360,8 @@ def test_to_dcp_output_is_a_committed_fsdp1_checkpoint_whose_damage_inspect_name
 def test_damaged_metadata_is_an_error_naming_it(tmp_path, capsys):
     (tmp_path / ".metadata").write_bytes(b"garbage")
     code, _, err = run_main(capsys, "inspect", tmp_path)
-    assert code == 1 and f"{tmp_path / '.metadata'}: cannot be read" in err
+    assert code == 1
+    assert f"{tmp_path / '.metadata'}: cannot be read" in err
 
 
 def run_cli(*argv: Any, hidden: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
@@ -364,8 +373,10 @@ def run_cli(*argv: Any, hidden: tuple[str, ...] = ()) -> subprocess.CompletedPro
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, *parts: str) -> None:
-    assert result.returncode == 1 and result.stdout == ""
-    assert result.stderr.count("\n") == 1 and result.stderr.startswith("checkpoint.py: error: "), result.stderr
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("checkpoint.py: error: "), result.stderr
     assert all(part in result.stderr for part in parts), result.stderr
 
 
@@ -392,4 +403,5 @@ def test_cli_errors_name_the_path_and_the_fix_before_importing_torch(sharded, tm
 
 def test_cli_usage_error_exits_nonzero():
     result = run_cli("consolidate")
-    assert result.returncode == 2 and "OUT" in result.stderr
+    assert result.returncode == 2
+    assert "OUT" in result.stderr

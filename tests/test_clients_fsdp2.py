@@ -173,17 +173,28 @@ def test_accelerate_fsdp2_prepares_fsdp1_modules_that_train_bitwise_like_torchs_
         their_units, their_dtensors, _, their_optim_is_model, their_tied, their_losses, their_norms, their_params = runs["torch"]
         ddp_losses, ddp_norms, ddp_params = runs["ddp"]
         # fsdp1's classes, in the units torch's get: blocks, the tail group, the root
-        assert units and all(module.startswith("fsdp1.") for _, _, module in units) and all(fsdp1_units)
+        assert units
+        assert all(module.startswith("fsdp1.") for _, _, module in units)
+        assert all(fsdp1_units)
         assert [u[:2] for u in units] == [u[:2] for u in their_units]
         assert all(module.startswith("torch.") for _, _, module in their_units)
-        assert units[0][0] == "" and len(units) >= 4, units  # the root, two blocks, the tail group
-        assert dtensors and their_dtensors and optim_is_model and their_optim_is_model and tied and their_tied
+        assert units[0][0] == "", units
+        assert len(units) >= 4, units  # the root, two blocks, the tail group
+        assert dtensors
+        assert their_dtensors
+        assert optim_is_model
+        assert their_optim_is_model
+        assert tied
+        assert their_tied
         # bitwise torch's fully_shard: losses, gradient norms, every parameter after 3 steps
-        assert losses == their_losses and norms == their_norms
-        assert params.keys() == their_params.keys() and all(torch.equal(params[k], their_params[k]) for k in params)
+        assert losses == their_losses
+        assert norms == their_norms
+        assert params.keys() == their_params.keys()
+        assert all(torch.equal(params[k], their_params[k]) for k in params)
         # DDP within 1e-5, the clipping active
         assert norms[0] > MAX_NORM
-        assert _relative(losses, ddp_losses) < 1e-5 and _relative(norms, ddp_norms) < 1e-5
+        assert _relative(losses, ddp_losses) < 1e-5
+        assert _relative(norms, ddp_norms) < 1e-5
         assert params.keys() == ddp_params.keys()
         # GPT-2's fused c_attn.bias holds the key bias, whose true gradient is zero: its rounding noise differs
         # with the reduction order (as torch's fully_shard's does, bitwise equal above) and AdamW scales it up
@@ -295,11 +306,18 @@ def test_transformers_trainer_fsdp2_trains_on_fsdp1_bitwise_like_torchs_fully_sh
         enabled, units, logs, params = runs["fsdp1"][rank]
         their_enabled, their_units, their_logs, their_params = runs["torch"][rank]
         ddp_enabled, ddp_units, ddp_logs, ddp_params = runs["ddp"][rank]
-        assert enabled and their_enabled and not ddp_enabled and not ddp_units
-        assert len(units) == len(their_units) >= 4 and all(m.startswith("fsdp1.") for m in units)
+        assert enabled
+        assert their_enabled
+        assert not ddp_enabled
+        assert not ddp_units
+        assert len(units) == len(their_units) >= 4
+        assert all(m.startswith("fsdp1.") for m in units)
         assert all(m.startswith("torch.") for m in their_units)
-        assert len(logs) == 3 and logs == their_logs and logs[0][1] > MAX_NORM  # loss and grad norm, bitwise
-        assert params.keys() == their_params.keys() and all(torch.equal(v, their_params[k]) for k, v in params.items())
+        assert len(logs) == 3
+        assert logs == their_logs
+        assert logs[0][1] > MAX_NORM  # loss and grad norm, bitwise
+        assert params.keys() == their_params.keys()
+        assert all(torch.equal(v, their_params[k]) for k, v in params.items())
         assert _relative([x for log in logs for x in log], [x for log in ddp_logs for x in log]) < 1e-5
         assert max((params[k] - ddp_params[k]).abs().max().item() / (ddp_params[k].abs().max().item() or 1.0)
                    for k in params) < 1e-5

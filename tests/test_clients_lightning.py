@@ -131,7 +131,8 @@ def _assert_trains_as_torch_fsdp1(use_orig_params, activation_checkpointing):
                                                           their_checkpointed) in zip(ours, theirs):
         assert units == ["fsdp1.fully_sharded_data_parallel"] * 3
         assert checkpointed == their_checkpointed == (2 if activation_checkpointing else 0)
-        assert steps == their_steps and accumulated == their_accumulated
+        assert steps == their_steps
+        assert accumulated == their_accumulated
         assert min(norm for _, norm in steps) < MAX_NORM < max(norm for _, norm in steps)
         assert list(state) == list(their_state) == plain_keys
         assert all(torch.equal(state[key], their_state[key]) for key in plain_keys)
@@ -174,7 +175,8 @@ def _assert_resumes_bitwise(state_dict_type, use_orig_params, path):
     """Returns each rank's uninterrupted run (steps and final state)."""
     results = run_on_ranks(2, _fabric_save_and_resume, state_dict_type, use_orig_params, path)
     for (uninterrupted, uninterrupted_state), (resumed, resumed_state), step in results:
-        assert resumed == uninterrupted and step == 3
+        assert resumed == uninterrupted
+        assert step == 3
         assert all(torch.equal(resumed_state[key], value) for key, value in uninterrupted_state.items())
     plain_keys = set(make_gpt().state_dict())
     assert _saved_names(path, state_dict_type) == (plain_keys, plain_keys)

@@ -116,12 +116,14 @@ def test_lora_trains_as_on_torch_fsdp1_and_ddp_and_leaves_the_base_frozen():
     for (losses, state, units, initial), (their_losses, their_state, their_units, _), (ddp_losses, ddp_state) in zip(
             ours, theirs, ddp):
         # A unit per GPT-2 block and per LoRA matrix (2 + 8), and the root.
-        assert units == ["fsdp1.fully_sharded_data_parallel"] * 11 and len(their_units) == 11
+        assert units == ["fsdp1.fully_sharded_data_parallel"] * 11
+        assert len(their_units) == 11
         assert losses == their_losses
         assert list(state) == list(their_state) == list(initial)
         assert all(torch.equal(state[key], their_state[key]) for key in state)
         adapter = {key: value for key, value in state.items() if ".lora_" in key}
-        assert len(adapter) == 8 and all(not torch.equal(value, initial[key]) for key, value in adapter.items())
+        assert len(adapter) == 8
+        assert all(not torch.equal(value, initial[key]) for key, value in adapter.items())
         assert all(torch.equal(value, initial[key]) for key, value in state.items() if key not in adapter)
         assert relative_errors(losses, ddp_losses) < 1e-5
         assert max_relative_error(adapter, {key: ddp_state[key] for key in adapter}) < 1e-5
@@ -149,7 +151,8 @@ def test_peft_adapter_state_dict_under_full_state_dict_matches_one_process():
     mean_losses = [sum(step_losses) / len(results) for step_losses in zip(*(losses for losses, _, _, _ in results))]
     for _, adapter, single_losses, single_adapter in results:
         assert relative_errors(mean_losses, single_losses) < 1e-6
-        assert list(adapter) == list(single_adapter) and len(adapter) == 8
+        assert list(adapter) == list(single_adapter)
+        assert len(adapter) == 8
         assert max_relative_error(adapter, single_adapter) < 1e-5
 
 

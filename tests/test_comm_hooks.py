@@ -48,10 +48,12 @@ def _custom_hook(strategy):
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
 def test_a_custom_hook_sees_every_reduction(strategy):
     for calls, units, (hooked, default), error in run_on_ranks(2, _custom_hook, strategy):
-        assert len(calls) == units * STEPS and units == 3
+        assert len(calls) == units * STEPS
+        assert units == 3
         assert all((output is None) == (strategy == "NO_SHARD") for _, output in calls)
         assert all(output is None or output * 2 == numel for numel, output in calls)
-        assert hooked == default and error < 1e-6  # one division by 2 instead of fsdp1's 2-step split: equal here
+        assert hooked == default
+        assert error < 1e-6  # one division by 2 instead of fsdp1's 2-step split: equal here
 
 
 def _against_torch(hook_name, strategy, param_dtype, use_torch_hook):
@@ -93,7 +95,8 @@ def _against_torch(hook_name, strategy, param_dtype, use_torch_hook):
 ])
 def test_hooks_match_torch_fsdp1(hook_name, strategy, param_dtype, use_torch_hook):
     for (ours, theirs), error in run_on_ranks(2, _against_torch, hook_name, strategy, param_dtype, use_torch_hook):
-        assert ours == theirs and error == 0.0
+        assert ours == theirs
+        assert error == 0.0
 
 
 def _misuse():
@@ -123,7 +126,8 @@ def _misuse():
 def test_misuse_is_refused_with_the_fix():
     for errors in run_on_ranks(2, _misuse):
         assert len(errors) == 4
-        assert "root instance" in errors[0] and "'blocks.0'" in errors[0]
+        assert "root instance" in errors[0]
+        assert "'blocks.0'" in errors[0]
         assert "callable" in errors[1]
         assert "already registered" in errors[2]
         assert "ProcessGroup" in errors[3]

@@ -50,7 +50,8 @@ def _rank_dependent_order(api):
 @pytest.mark.parametrize("api", ["flat_params", "use_orig_params", "fully_shard"])
 def test_units_run_in_different_orders_are_named_on_every_rank(api):
     for message in run_on_ranks(2, _rank_dependent_order, api):
-        assert message is not None and "different orders in the first iteration" in message
+        assert message is not None
+        assert "different orders in the first iteration" in message
         assert "unit #2 holding parameters: rank 0 'b', rank 1 'c'" in message
 
 

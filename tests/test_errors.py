@@ -3,7 +3,9 @@ parameter or module path, never ``_fsdp_wrapped_module.``, and says how to fix i
 constructor leaves the module exactly as it was. Also pins the printed structure of a wrapped model.
 An exception in forward (through the root or a nested unit) or in backward leaves training as if it
 never happened, against DDP. ``fully_shard`` refuses bad input naming the module or parameter and
-the fix. Against torch's FSDP1 running the same code: misuse (``summon_full_params``, ``apply``,
+the fix, and what torch's ``fully_shard`` refuses (a weight tied across sibling groups, a non-contiguous
+parameter, a 2-D mesh without names, invalid or uneven ``Shard(d)``, a stream for the all-reduce hook under
+HSDP, bad arguments, parameters of several dtypes in a group) with torch's exception type and phrase. Against torch's FSDP1 running the same code: misuse (``summon_full_params``, ``apply``,
 ``ignored_modules``, state-dict configs, ``clip_grad_norm_``, auto-wrapping) raises torch's exception
 types, fsdp1's messages keep torch's phrases, and ``_assert_state`` takes torch's training states."""
 
@@ -27,12 +29,14 @@ from _models import (
     LinearNet,
     fsdp1_full_params,
     fsdp_api,
+    fully_shard_of,
     make_mlp,
     max_relative_error,
     mlp_input,
     outcome_of,
     plain_params,
     relative_errors,
+    run_both,
     wrap_fsdp1,
 )
 
@@ -452,6 +456,159 @@ def test_bad_input_is_refused_naming_the_module_or_parameter_and_the_fix():
     assert "only Shard(0) (or None) is supported yet" in messages["shard_dim_1"]
     assert "parameter 'weight' is already a DTensor (tensor parallelism)" in messages["dtensor_param"]
     assert "Parameter '1.weight' is shared with a parameter already managed by another FSDP group ('0.weight')" in messages["tied_across_groups"]
+
+
+# ------------------------------------------------------------------- fully_shard: what torch's refuses, with its types and phrases
+def _refusal(impl, build):
+    """The exception a build and its first training step raise, as (type name, message)."""
+    try:
+        model = build(fully_shard_of(impl))
+        model(torch.randn(3, 4)).sum().backward()
+    except Exception as error:  # noqa: BLE001 - compared with torch's
+        return type(error).__name__, str(error)
+    return "no error", ""
+
+
+class _TiedEnds(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.second.weight = self.first.weight
+
+    def forward(self, x):
+        return self.second(torch.tanh(self.first(x)))
+
+
+def _tied_across_sibling_groups(impl, order):
+    def build(shard):
+        model = _TiedEnds()
+        for name in order:
+            shard(getattr(model, name))
+        return shard(model)
+
+    return _refusal(impl, build)
+
+
+@pytest.mark.parametrize("order", [("first", "second"), ("second", "first")])
+def test_a_weight_tied_across_two_sibling_groups_is_refused_as_torchs(order):
+    ours, theirs = run_both(_tied_across_sibling_groups, order)
+    assert ours[0] == theirs[0] == "ValueError"
+    phrase = "is shared with a parameter already managed by another FSDP group"
+    assert phrase in ours[1]
+    assert phrase in theirs[1]
+
+
+def _refused_at_construction(impl, case):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    def build(shard):
+        torch.manual_seed(0)
+        if case == "channels_last":
+            conv = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+            return shard(conv)
+        if case == "unnamed_2d_mesh":
+            return shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (1, dist.get_world_size())))
+        if case == "uneven_dim_1":
+            return shard(nn.Linear(3, 4), shard_placement_fn=lambda p: Shard(1))
+        assert case == "dim_1_of_1d"
+        return shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(p.dim() - 1) if p.dim() == 2 else Shard(1))
+
+    try:
+        build(fully_shard_of(impl))
+    except Exception as error:  # noqa: BLE001 - compared with torch's
+        return type(error).__name__, str(error)
+    return "no error", ""
+
+
+@pytest.mark.parametrize("case, phrase", [
+    ("channels_last", "FSDP does not support non-contiguous parameters"),
+    ("unnamed_2d_mesh", "Please init the 2D mesh for HSDP with mesh_dim_names specified"),
+    ("uneven_dim_1", "FSDP does not support uneven sharding on dim 1"),
+    ("dim_1_of_1d", "Shard dim 1 is invalid for 1D tensor"),
+])
+def test_what_torch_refuses_at_construction_is_refused_with_its_type_and_phrase(case, phrase):
+    ours, theirs = run_both(_refused_at_construction, case)
+    assert ours[0] == theirs[0]
+    assert phrase in ours[1]
+    assert phrase in theirs[1]
+
+
+def _hook_stream_on_hsdp(impl):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = fully_shard_of(impl)(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard")))
+    try:
+        model.set_all_reduce_hook(lambda reduced: None, stream=object())
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_stream_for_the_all_reduce_hook_is_refused_on_hsdp_as_torchs():
+    ours, theirs = run_both(_hook_stream_on_hsdp)
+    assert ours == theirs == "stream cannot be set when using native HSDP"
+
+
+def _argument_checks(impl):
+    from torch.distributed.tensor import Replicate
+
+    shard = fully_shard_of(impl)
+    model = shard(nn.Linear(4, 4))
+    twice = nn.Linear(4, 4)
+    outcomes = {}
+    calls = {
+        "buffers_float": lambda: model.set_reduce_scatter_max_input_buffers(2.5),
+        "buffers_bool": lambda: model.set_reduce_scatter_max_input_buffers(True),
+        "buffers_zero": lambda: model.set_reduce_scatter_max_input_buffers(0),
+        "prefetch_plain": lambda: model.set_modules_to_forward_prefetch([nn.Linear(2, 2)]),
+        "twice": lambda: shard(model),
+        "int_not_a_factor": lambda: shard(nn.Linear(4, 4), reshard_after_forward=3),
+        "float": lambda: shard(nn.Linear(4, 4), reshard_after_forward=2.0),
+        "listed_twice": lambda: shard([twice, twice]),
+        "replicate_placement": lambda: shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Replicate()),
+    }
+    for name, call in calls.items():
+        try:
+            call()
+            outcomes[name] = ("no error", "")
+        except Exception as error:  # noqa: BLE001 - compared with torch's
+            outcomes[name] = (type(error).__name__, str(error))
+    outcomes["listed_twice_class"] = (type(twice).__name__, "")  # a refused call changes nothing
+    return outcomes
+
+
+def test_bad_arguments_raise_torchs_exception_types_and_phrases():
+    ours, theirs = run_both(_argument_checks)
+    for name, (kind, message) in theirs.items():
+        assert ours[name][0] == kind, name
+        phrase = message.split(": Linear")[0].split(" (")[0][:60]
+        assert phrase in ours[name][1], name
+
+
+def _mixed_dtypes_of_a_group(impl, frozen):
+    shard = fully_shard_of(impl)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).to(torch.bfloat16))
+    model[1].requires_grad_(not frozen)
+    try:
+        shard(model)
+        model(torch.randn(2, 4)).float().sum().backward()  # bf16 input of the second: the first's output is fp32
+    except Exception as error:  # noqa: BLE001 - compared with torch's
+        return type(error).__name__, str(error)
+    return "no error", [p.dtype for p in model.parameters()]
+
+
+def test_parameters_of_several_dtypes_in_one_group_are_refused_not_cast():
+    ours, theirs = run_both(_mixed_dtypes_of_a_group, False)
+    assert ours[0] == theirs[0] == "AssertionError"
+    assert "FSDP expects uniform original parameter dtype" in ours[1]
+    assert "FSDP expects uniform original parameter dtype" in theirs[1]
+    frozen = run_on_ranks(2, _mixed_dtypes_of_a_group, "fsdp1", True)[0]  # torch's keeps them apart: a documented difference
+    assert frozen[0] == "NotImplementedError"
+    assert "'1.weight' torch.bfloat16" in frozen[1]
+
 
 
 # ------------------------------------------------------------------- exception types of misuse, as torch's FSDP1's

@@ -17,6 +17,9 @@ the checkpoint and went on training.
 - Beyond torch: plain full tensors (an unsharded model's ``state_dict()``) load into fsdp1's
   ``fully_shard`` model and train on exactly as when loaded through DTensors; torch's refuses them.
 - ``model.state_dict()`` saves with ``torch.save`` and deep-copies (torch's cannot save its own).
+- Local shards: fsdp1's share one storage per group (torch's: one per parameter) and, once cloned,
+  save with safetensors to torch's values; parameters loaded one at a time with
+  ``load_state_dict(..., assign=True)`` while iterating them, as torch's.
 - ``fsdp1.checkpoint`` saves and loads a ``fully_shard`` model's state (also in the background), and
   ``python -m tools.checkpoint`` inspects and consolidates a checkpoint DCP wrote from one.
 """
@@ -31,6 +34,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -49,7 +53,21 @@ from fsdp1 import FullyShardedDataParallel as FSDP
 from fsdp1 import StateDictType
 
 from _harness import run_on_ranks
-from _models import VOCAB, TinyGPT, batch, global_batch, lm_loss, make_gpt, shard_gpt, train_steps, wrap_fsdp1
+from _models import (
+    VOCAB,
+    TinyGPT,
+    batch,
+    full_grads,
+    fully_shard_of,
+    global_batch,
+    lm_loss,
+    make_gpt,
+    run_both,
+    same_tensors,
+    shard_gpt,
+    train_steps,
+    wrap_fsdp1,
+)
 from tools import checkpoint as checkpoint_tool
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
@@ -538,3 +556,54 @@ def _saved_and_copied():
 
 def test_a_state_dict_saves_with_torch_save_and_deep_copies():
     assert all(run_on_ranks(2, _saved_and_copied))
+
+
+# ------------------------------------------------------------------- local shards and loading with assign
+def _local_shards_saved_with_safetensors(impl, directory):
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    shard = fully_shard_of(impl)
+    torch.manual_seed(0)
+    model = TinyGPT()
+    shard_gpt(model, shard)
+    locals_ = {k: v.to_local() for k, v in model.state_dict().items()}
+    block = [v for k, v in locals_.items() if k.startswith("blocks.0.") and v.numel()]
+    shares_storage = len({v.untyped_storage().data_ptr() for v in block}) == 1
+    path = os.path.join(directory, f"{impl}_{dist.get_rank()}.safetensors")
+    save_file({k: v.clone() for k, v in locals_.items()}, path)  # fsdp1's need the clone: see docs/fully_shard.md, "Differences"
+    return shares_storage, load_file(path)
+
+
+def test_local_shards_share_the_groups_storage_and_save_with_safetensors_once_cloned(tmp_path):
+    ours, theirs = (run_on_ranks(2, _local_shards_saved_with_safetensors, impl, str(tmp_path)) for impl in ("fsdp1", "torch"))
+    for rank in range(2):
+        assert ours[rank][0] is True  # one flat shard per group (torch's: a storage per parameter)
+        assert theirs[rank][0] is False
+        assert ours[rank][1].keys() == theirs[rank][1].keys()
+        assert all(torch.equal(ours[rank][1][k], theirs[rank][1][k]) for k in theirs[rank][1])
+
+
+def _loaded_piece_by_piece_while_iterating(impl):
+    from torch.distributed.tensor import distribute_tensor
+
+    shard = fully_shard_of(impl)
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
+    for module in model:
+        shard(module)
+    shard(model)
+    for index, (name, param) in enumerate(model.named_parameters()):  # loading does not change the registrations
+        torch.manual_seed(index)
+        piece = distribute_tensor(torch.randn(param.size()), param.device_mesh, param.placements)
+        model.load_state_dict({name: piece}, assign=True, strict=False)
+    out = model(torch.ones(2, 4))
+    out.sum().backward()
+    return out.detach(), full_grads(model)
+
+
+def test_parameters_loaded_one_by_one_with_assign_while_iterating_them_as_torchs():
+    ours, theirs = run_both(_loaded_piece_by_piece_while_iterating)
+    assert torch.equal(ours[0], theirs[0])
+    assert same_tensors(ours[1], theirs[1])

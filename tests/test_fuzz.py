@@ -85,11 +85,13 @@ def _close(ours, expected, where):
 
 def check(case):
     result = run_case(case)
-    assert "hang" not in result and "crash" not in result, (case, result)
+    assert "hang" not in result, (case, result)
+    assert "crash" not in result, (case, result)
     outcomes = result["outcomes"]
     errors = [outcome.get("error") for outcome in outcomes]
     if any(errors):
-        assert all(errors) and len(set(errors)) == 1, ("not every rank raised the same error", case, outcomes)
+        assert all(errors), ("not every rank raised the same error", case, outcomes)
+        assert len(set(errors)) == 1, ("not every rank raised the same error", case, outcomes)
         assert all(outcome["message"].startswith("fsdp1") for outcome in outcomes), (case, outcomes)
         return
     expected = replay(case)

@@ -78,7 +78,8 @@ def main():
 
 
 def _assert_broken(report, *fragments):
-    assert report["type"] == "ProcessGroupBroken" and report["exception"], report
+    assert report["type"] == "ProcessGroupBroken", report
+    assert report["exception"], report
     for fragment in fragments:
         assert fragment in report["message"], (fragment, report["message"])
 
@@ -114,14 +115,16 @@ report(errors=errors)
     assert all(code != 0 for code in job.returncodes)
     for rank in (0, 1):
         errors = job.reports[rank]["errors"]
-        assert errors[:2] == [None, None] and all(errors[2:]), errors
+        assert errors[:2] == [None, None], errors
+        assert all(errors[2:]), errors
         _assert_broken(errors[4], "this process group broke earlier")
     assert job.reports[1]["errors"][2]["type"] == "ValueError"  # its own error, at once
     _assert_broken(job.reports[1]["errors"][3], "Not every rank reached fsdp1's check after an exception escaped",
                    "skip a batch on every rank or on none", "failed on rank 1")
     _assert_broken(job.reports[0]["errors"][2], "for unit 'c'", "failed on rank 0")
     _assert_broken(job.reports[0]["errors"][3], "this process group broke earlier")
-    assert "ProcessGroupBroken" in job.output and "this process group broke earlier" in job.output
+    assert "ProcessGroupBroken" in job.output
+    assert "this process group broke earlier" in job.output
 
 
 @pytest.mark.parametrize("api", ["state_dict", "optim_state_dict", "summon_full_params"])
@@ -166,7 +169,8 @@ except Exception as error:
     raise
 ''', timeout_s=50)
     assert not failed(job), failed(job)
-    assert job.returncodes[0] != 0 and list(job.reports) == [0]
+    assert job.returncodes[0] != 0
+    assert list(job.reports) == [0]
     _assert_broken(job.reports[0]["error"], "all-gather of 36 float32 elements for unit 'c'", "failed on rank 0",
                    "process group of ranks [0, 1]; rank(s) [1] did not take part in time", "The last collectives this rank issued here:")
 
@@ -191,7 +195,8 @@ def test_without_an_agent_the_surviving_rank_raises_and_exits(tmp_path):
     and exits non-zero instead of waiting for a peer that is gone."""
     job = run_job(tmp_path, RAISES_ON_RANK_1 + 'main()\n', torchrun=False)
     assert not failed(job), failed(job)
-    assert job.returncodes[0] != 0 and job.returncodes[1] != 0
+    assert job.returncodes[0] != 0
+    assert job.returncodes[1] != 0
     _assert_broken(job.reports[0]["error"], "failed on rank 0")
 
 

@@ -67,7 +67,8 @@ def test_units_that_are_not_sharded_hold_no_parameter_copy_torchs_frees(variant)
     after forward and casts it again for backward, so fsdp1 must not keep it either."""
     with fake_process_group(1):
         ours, theirs = _measure(f"fsdp1_{variant}", LONG_BATCH), _measure(f"torch_fsdp1_{variant}", LONG_BATCH)
-    assert ours.step_start == theirs.step_start and ours.peak <= theirs.peak, (ours, theirs)
+    assert ours.step_start == theirs.step_start, (ours, theirs)
+    assert ours.peak <= theirs.peak, (ours, theirs)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -116,7 +117,8 @@ def _state_dict_memory(implementation, kind, rank, world_size):
 def test_state_dict_saves_hold_at_most_one_unit(world_size):
     # FULL with rank0_only, on a rank that keeps nothing: one unit gathered at a time, then freed.
     peak, kept, largest_unit = _state_dict_memory("fsdp1", "FULL", 1, world_size)
-    assert kept == 0 and peak == largest_unit
+    assert kept == 0
+    assert peak == largest_unit
     # SHARDED: never an unsharded unit; the redistribution to dim-0 chunks holds about one shard.
     peak, kept, largest_unit = _state_dict_memory("fsdp1", "SHARDED", 1, world_size)
     torch_peak, torch_kept, _ = _state_dict_memory("torch", "SHARDED", 1, world_size)

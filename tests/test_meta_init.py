@@ -3,7 +3,10 @@ unit (``reset_parameters`` or the user's ``param_init_fn``) exactly as torch's F
 holding more than one unit unsharded; ``sync_module_states`` makes rank 0's values win, including
 the pattern where only rank 0 builds real weights and the others build on the meta device. And
 initialisation after wrapping: ``apply(init_fn)`` sees full parameters and trains as the plain model
-initialised alike, and a parameter read outside forward is the rank's shard or a named error."""
+initialised alike, and a parameter read outside forward is the rank's shard or a named error. Under
+``fully_shard``, as torch's: parameters registered after sharding on the meta device (this rank's rows as
+DTensors, also in another dtype, or plain full tensors) are taken at the first forward, and those left on
+meta are named by torch's message, from the root (also in a group of several modules)."""
 
 import copy
 
@@ -11,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsdp1
@@ -20,11 +24,18 @@ from _models import (
     D_MODEL,
     VOCAB,
     Block,
+    TinyGPT,
+    batch,
     fsdp1_full_params,
+    full_grads,
+    fully_shard_of,
     make_mlp,
     max_relative_error,
     plain_params,
     relative_errors,
+    run_both,
+    same_tensors,
+    shard_gpt,
     torch_fsdp_full_params,
     train,
     train_each,
@@ -124,7 +135,8 @@ def _synced(pattern, use_orig_params):
 def test_sync_module_states_makes_rank_0_win(pattern, use_orig_params):
     for init_error, (ours, ddp), error in run_on_ranks(2, _synced, pattern, use_orig_params):
         assert init_error == 0.0
-        assert relative_errors(ours, ddp) <= 1e-5 and error <= 1e-5
+        assert relative_errors(ours, ddp) <= 1e-5
+        assert error <= 1e-5
 
 
 def _synced_on_the_gpu(use_orig_params):
@@ -149,7 +161,8 @@ def _synced_on_the_gpu(use_orig_params):
 @pytest.mark.parametrize("use_orig_params", [False, True])
 def test_sync_module_states_broadcasts_on_the_compute_device(use_orig_params):
     [(ours, theirs, devices)] = run_on_ranks(1, _synced_on_the_gpu, use_orig_params)
-    assert devices == {"cuda"} and ours.keys() == theirs.keys()
+    assert devices == {"cuda"}
+    assert ours.keys() == theirs.keys()
     assert all(torch.equal(ours[name], theirs[name]) for name in ours)
 
 
@@ -184,11 +197,13 @@ def _apply_then_train(strategy, use_orig_params):
 def test_apply_gathers_full_parameters_and_reads_outside_forward_never_crash(strategy, use_orig_params):
     for shapes, (ours, ddp), error, read in run_on_ranks(2, _apply_then_train, strategy, use_orig_params):
         assert shapes == [(7, 5), (3, 7)]  # the initialiser saw full shapes
-        assert relative_errors(ours, ddp) <= TOLERANCE and error <= TOLERANCE
+        assert relative_errors(ours, ddp) <= TOLERANCE
+        assert error <= TOLERANCE
         if use_orig_params or strategy == "NO_SHARD":
             assert read is None  # the rank's shard (or the whole parameter) is readable
         else:
-            assert "'0.weight' is sharded across the ranks" in read and "summon_full_params" in read
+            assert "'0.weight' is sharded across the ranks" in read
+            assert "summon_full_params" in read
 
 
 # ---------------------------------------------------------------------------------------------- bad input
@@ -224,3 +239,123 @@ def test_bad_input_names_the_module_and_fails_on_every_rank():
     # The shape mismatch is found before any broadcast, on both ranks.
     assert results[0][2] == "fsdp1: sync_module_states: 'weight' is torch.float32 of shape (2, 2) on rank 0 but torch.float32 of shape (3, 2) on rank 1; build the same model on every rank."
     assert results[1][2] == "fsdp1: sync_module_states: 'weight' is torch.float32 of shape (3, 2) on rank 1 but torch.float32 of shape (2, 2) on rank 0; build the same model on every rank."
+
+
+# ---------------------------------------------------------------------------------------------- fully_shard: parameters registered after sharding on meta
+def _replaced_after_sharding_on_meta(impl, how):
+    """Transformers' FSDP2 loading: shard the model on the meta device, then register real
+    parameters in place of the sharded ones (this rank's rows as DTensors, or plain full tensors)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    shard = fully_shard_of(impl)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    reference = TinyGPT()
+    with torch.device("meta"):
+        model = TinyGPT()
+    shard_gpt(model, shard)
+    mesh = model.pos.device_mesh
+    skipped = {"blocks.1.fc.weight", "head.bias"} if how == "some_left_on_meta" else set()
+    for (name, param), value in zip(list(model.named_parameters()), reference.parameters()):
+        if name in skipped:
+            continue
+        module_path, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_path)
+        if how == "plain":
+            replacement = nn.Parameter(value.detach().clone())
+        else:
+            replacement = nn.Parameter(distribute_tensor(value.detach(), mesh, [Shard(0)]))
+        setattr(module, attr, replacement)
+    if how == "plain":  # each is taken as a new DTensor Parameter, which the optimizer must be built on
+        with torch.no_grad():
+            model(batch(0, rank, world_size)[0])
+    try:
+        losses = _train_steps(model, 3)
+    except RuntimeError as error:
+        return "RuntimeError", str(error).split("\n")[0]
+    return losses, [p.detach().full_tensor() for p in model.parameters()]
+
+
+def _train_steps(model, steps):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        inputs, targets = batch(step, rank, world_size)
+        loss = F.cross_entropy(model(inputs).reshape(-1, VOCAB), targets.reshape(-1))
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_parameters_registered_after_sharding_on_meta_are_taken_at_the_first_forward_as_torchs():
+    ours, theirs = run_both(_replaced_after_sharding_on_meta, "dtensor")
+    assert ours[0] == theirs[0]
+    assert same_tensors(ours[1], theirs[1])
+    plain = run_on_ranks(2, _replaced_after_sharding_on_meta, "fsdp1", "plain")[0]  # torch's needs DTensors
+    assert plain[0] == ours[0]
+    assert same_tensors(plain[1], ours[1])
+
+
+def test_a_forward_with_parameters_still_on_meta_names_them_as_torchs():
+    ours, theirs = run_both(_replaced_after_sharding_on_meta, "some_left_on_meta")
+    assert ours[0] == theirs[0] == "RuntimeError"
+    assert ours[1] == theirs[1]
+    assert "still on meta device: ['head.bias']" in ours[1]  # the root's group is checked first
+
+
+def _group_member_left_on_meta(impl):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    shard = fully_shard_of(impl)
+    torch.manual_seed(0)
+    reference = TinyGPT()
+    with torch.device("meta"):
+        model = TinyGPT()
+    shard([model.ln_f, model.head])
+    shard(model)
+    mesh = model.pos.device_mesh
+    for (name, _), value in zip(list(model.named_parameters()), reference.parameters()):
+        if name != "ln_f.bias":
+            module_path, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(module_path), attr, nn.Parameter(distribute_tensor(value.detach(), mesh, [Shard(0)])))
+    try:
+        model(batch(0, dist.get_rank(), dist.get_world_size())[0])
+    except RuntimeError as error:
+        return str(error).split("\n")[0]
+    return "no error"
+
+
+def test_a_parameter_of_a_group_of_several_modules_is_named_from_the_root_as_torchs():
+    ours, theirs = run_both(_group_member_left_on_meta)
+    assert ours == theirs
+    assert ours.endswith("still on meta device: ['ln_f.bias']")
+
+
+def _replaced_on_meta_in_another_dtype(impl):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    shard = fully_shard_of(impl)
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    shard(model[0])
+    shard(model)
+    mesh = model[0].weight.device_mesh
+    for (name, _), value in zip(list(model.named_parameters()), reference.parameters()):
+        module_path, _, attr = name.rpartition(".")
+        bf16 = distribute_tensor(value.detach().to(torch.bfloat16), mesh, [Shard(0)])
+        setattr(model.get_submodule(module_path), attr, nn.Parameter(bf16))
+    out = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(dist.get_rank())).to(torch.bfloat16))
+    out.float().sum().backward()
+    return out.detach(), [p.dtype for p in model.parameters()], full_grads(model)
+
+
+def test_parameters_registered_on_meta_in_another_dtype_are_taken_in_theirs_as_torchs():
+    ours, theirs = run_both(_replaced_on_meta_in_another_dtype)
+    assert ours[1] == theirs[1] == [torch.bfloat16] * 4
+    assert torch.equal(ours[0], theirs[0])
+    assert same_tensors(ours[2], theirs[2])

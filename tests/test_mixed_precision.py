@@ -6,7 +6,8 @@ full-precision evaluation, and full-precision state dicts and ``summon_full_para
 changed without ``MixedPrecision``: ``.to(torch.float64)`` or ``.double()`` after wrapping, before or
 after a step, trains as the plain model converted alike. Under ``fully_shard``, a bf16
 ``MixedPrecisionPolicy`` (fsdp1's or torch's object) trains like torch's ``fully_shard``, keeping
-parameters and gradients in fp32."""
+parameters and gradients in fp32, and ``cast_forward_inputs`` casts the input of every module of a group
+as torch's does."""
 
 import copy
 import os
@@ -26,12 +27,16 @@ from _models import (
     Block,
     batch,
     fsdp1_full_params,
+    full_grads,
+    fully_shard_of,
     lm_loss,
     make_gpt,
     make_mlp,
     max_relative_error,
     plain_params,
     relative_errors,
+    run_both,
+    same_tensors,
     sgd,
     shard_gpt,
     torch_fsdp_full_params,
@@ -473,3 +478,33 @@ def test_bf16_mixed_precision_policy_trains_like_torchs():
         assert with_torch_policy == ours  # torch's policy object is accepted and means the same
         assert dtypes == {torch.float32}  # sharded parameters and gradients in fp32
         assert output_dtype == torch.bfloat16
+
+
+# ------------------------------------------------------------------- fully_shard: cast_forward_inputs in a group
+class _TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 5)
+        self.b = nn.Linear(6, 5)
+
+    def forward(self, x):
+        return self.a(x).float() + self.b(x).float()  # both modules see the fp32 input
+
+
+def _cast_in_a_group(impl):
+    shard = fully_shard_of(impl)
+    policy_class = fsdp1.MixedPrecisionPolicy if impl == "fsdp1" else torch.distributed.fsdp.MixedPrecisionPolicy
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    shard([model.a, model.b], mp_policy=policy_class(param_dtype=torch.bfloat16, cast_forward_inputs=True))
+    shard(model)
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(dist.get_rank()))
+    out = model(x)
+    out.sum().backward()
+    return out.detach(), full_grads(model)
+
+
+def test_cast_forward_inputs_casts_the_input_of_every_module_of_a_group_as_torchs():
+    ours, theirs = run_both(_cast_in_a_group)
+    assert torch.equal(ours[0], theirs[0])
+    assert same_tensors(ours[1], theirs[1])

@@ -177,7 +177,8 @@ def test_parameter_unused_in_a_step(strategy, use_orig_params):
         # The unused unit's gradient stays None, exactly where torch's FSDP1 leaves it None.
         assert ours_grads.keys() == theirs_grads.keys()
         unused_unit = [n for n in ours_grads if "unused." in n]
-        assert unused_unit and all(ours_grads[n] is None for n in unused_unit)
+        assert unused_unit
+        assert all(ours_grads[n] is None for n in unused_unit)
         for name in ours_grads:
             assert (ours_grads[name] is None) == (theirs_grads[name] is None), name
             if ours_grads[name] is not None:
@@ -244,7 +245,8 @@ def _buffers(strategy):
 def test_buffers_stay_local_and_match_torch_fsdp1(strategy):
     for losses, buffer_error, param_error, names in run_on_ranks(2, _buffers, strategy):
         assert_losses_equal(losses)
-        assert buffer_error == 0.0 and param_error == 0.0
+        assert buffer_error == 0.0
+        assert param_error == 0.0
         assert names == ["norm.num_batches_tracked", "norm.running_mean", "norm.running_var", "offset"]
 
 
@@ -383,7 +385,8 @@ def test_evaluating_before_building_the_optimizer(strategy, use_orig_params, wor
         assert types == ["Parameter"]  # the optimizer gets the real parameters, never views
         assert set(gathered) == {"SHARDED"}  # a forward without grad leaves nothing gathered
         assert eval_losses[0] == pytest.approx(eval_losses[1], rel=TOLERANCE)
-        assert relative_errors(ours, ddp) <= TOLERANCE and error <= TOLERANCE
+        assert relative_errors(ours, ddp) <= TOLERANCE
+        assert error <= TOLERANCE
 
 
 # ---------------------------------------------------------------------------------------------- metric before step
@@ -453,7 +456,8 @@ def _two_forwards_then_two_backwards(strategy, use_orig_params):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_two_forwards_then_two_backwards_match_averaged_gradients(strategy, use_orig_params):
     for (ours, oracle), error in run_on_ranks(2, _two_forwards_then_two_backwards, strategy, use_orig_params):
-        assert relative_errors(ours, oracle) <= TOLERANCE and error <= TOLERANCE
+        assert relative_errors(ours, oracle) <= TOLERANCE
+        assert error <= TOLERANCE
 
 
 # ---------------------------------------------------------------------------------------------- torch.compile
@@ -485,7 +489,8 @@ def _compiled(use_orig_params):
 def test_torch_compile_runs_the_hooks_eagerly_and_matches_eager(use_orig_params):
     for counts, (compiled, eager), graphs in run_on_ranks(2, _compiled, use_orig_params):
         assert relative_errors(compiled, eager) <= TOLERANCE
-        assert graphs[0] > 0 and len(set(graphs)) == 1  # compiled at the first step, never again
+        assert graphs[0] > 0
+        assert len(set(graphs)) == 1  # compiled at the first step, never again
         # 3 graphs, 2 breaks: one break per unit boundary. torch's FSDP1 compiles nothing without use_orig_params.
         assert counts["fsdp1"] == (3, 2)
         assert counts["torch_fsdp1"] == ((3, 2) if use_orig_params else (0, -1))

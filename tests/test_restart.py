@@ -124,6 +124,7 @@ def test_a_rank_terminated_inside_a_save_ends_the_job_and_the_save_is_no_checkpo
     from fsdp1 import checkpoint
 
     job, root = _training(tmp_path, "sigterm")
-    assert job.returncodes[1] == -15 and job.returncodes[0] != 0
+    assert job.returncodes[1] == -15
+    assert job.returncodes[0] != 0
     assert "step_000006" not in {p.name for p in root.iterdir()}
     assert checkpoint.latest(root).name == "step_000004"

@@ -56,7 +56,8 @@ def test_param_slices_tile_every_parameter_exactly_once(world_size):
         span = shard_span(layout.numel, rank, world_size)
         for i, info in enumerate(param_shard_infos(layout, span)):
             if info.in_shard:
-                assert 0 <= info.offset_in_shard and info.offset_in_shard + info.numel_in_shard <= span.numel
+                assert 0 <= info.offset_in_shard
+                assert info.offset_in_shard + info.numel_in_shard <= span.numel
                 covered[i].extend(range(info.intra_param_start, info.intra_param_start + info.numel_in_shard))
     assert {i: sorted(c) for i, c in covered.items()} == {i: list(range(n)) for i, n in enumerate(numels)}
 
@@ -97,6 +98,8 @@ def test_dim0_chunks_split_rows_as_torch_chunk_and_dtensor_do(rows, world_size):
     sizes += [0] * (world_size - len(sizes))  # DTensor's Shard(0): ranks past the last chunk hold nothing
     ranges = [dim0_chunk_range(offset, shape, rank, world_size) for rank in range(world_size)]
     assert [(end - start) // 3 for start, end in ranges] == sizes
-    assert ranges[0][0] == offset and ranges[-1][1] == offset + rows * 3
+    assert ranges[0][0] == offset
+    assert ranges[-1][1] == offset + rows * 3
     assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
-    assert overlap((0, 5), (3, 9)) == (3, 5) and overlap((0, 2), (4, 9)) == (4, 4)
+    assert overlap((0, 5), (3, 9)) == (3, 5)
+    assert overlap((0, 2), (4, 9)) == (4, 4)

@@ -59,8 +59,10 @@ def test_tied_embedding_and_head_train_like_torch_fsdp1_and_ddp(strategy, use_or
         world_size, _tied_in_the_root_unit, strategy, use_orig_params, 2
     ):
         assert n_params[0] == n_params[1]  # the shared weight appears once in parameters()
-        assert ours == theirs and torch_error == 0.0  # bitwise
-        assert relative_errors(ours, ddp) <= TOLERANCE and ddp_error <= TOLERANCE
+        assert ours == theirs
+        assert torch_error == 0.0  # bitwise
+        assert relative_errors(ours, ddp) <= TOLERANCE
+        assert ddp_error <= TOLERANCE
 
 
 @pytest.mark.parametrize("use_orig_params", [False, True])
@@ -68,8 +70,10 @@ def test_a_weight_shared_three_ways_sums_all_three_gradients(use_orig_params):
     for _, (ours, theirs, ddp), torch_error, ddp_error in run_on_ranks(
         2, _tied_in_the_root_unit, "FULL_SHARD", use_orig_params, 3
     ):
-        assert ours == theirs and torch_error == 0.0
-        assert relative_errors(ours, ddp) <= TOLERANCE and ddp_error <= TOLERANCE
+        assert ours == theirs
+        assert torch_error == 0.0
+        assert relative_errors(ours, ddp) <= TOLERANCE
+        assert ddp_error <= TOLERANCE
 
 
 # ---------------------------------------------------------------------------------------------- tied across units
@@ -109,7 +113,8 @@ def test_embedding_tied_to_heads_in_separate_units_trains_like_ddp(ways, strateg
     for units, holders, (ours, ddp), error in run_on_ranks(2, _tied_gpt_in_units, ways, strategy, use_orig_params):
         assert {"tok", "head"} <= set(units)  # each matched into its own unit...
         assert holders == [""]  # ...and the tied weight left to the root, their closest common unit
-        assert relative_errors(ours, ddp) <= TOLERANCE and error <= TOLERANCE
+        assert relative_errors(ours, ddp) <= TOLERANCE
+        assert error <= TOLERANCE
 
 
 class _TiedPair(nn.Module):
@@ -155,7 +160,8 @@ def _tied_inside_a_nested_unit(strategy, use_orig_params):
 def test_weight_tied_inside_a_nested_unit_goes_to_that_unit(strategy, use_orig_params):
     for holders, (ours, ddp), error in run_on_ranks(2, _tied_inside_a_nested_unit, strategy, use_orig_params):
         assert holders == ["pair"]  # not the root: the closest unit holding both layers
-        assert relative_errors(ours, ddp) <= TOLERANCE and error <= TOLERANCE
+        assert relative_errors(ours, ddp) <= TOLERANCE
+        assert error <= TOLERANCE
 
 
 def _gpt2(seed=0):
@@ -207,7 +213,8 @@ def test_gpt2_with_embedding_and_head_in_separate_units_trains_like_ddp(world_si
     results = run_on_ranks(world_size, _gpt2_embedding_and_head_in_units, world_size, strategy, use_orig_params)
     for holders, (ours, ddp), error, direct in results:
         assert holders == [""]
-        assert relative_errors(ours, ddp) <= TOLERANCE and error <= TOLERANCE
+        assert relative_errors(ours, ddp) <= TOLERANCE
+        assert error <= TOLERANCE
         assert direct
 
 
@@ -251,4 +258,5 @@ def _tied_from_a_unit_inside_a_unit(classes, use_orig_params):
 def test_weight_tied_from_a_unit_nested_in_another_goes_to_the_root(classes, use_orig_params):
     for holders, (ours, ddp), error in run_on_ranks(2, _tied_from_a_unit_inside_a_unit, classes, use_orig_params):
         assert holders == [""]  # the closest unit holding both the embedding and the head
-        assert relative_errors(ours, ddp) <= TOLERANCE and error <= TOLERANCE
+        assert relative_errors(ours, ddp) <= TOLERANCE
+        assert error <= TOLERANCE
