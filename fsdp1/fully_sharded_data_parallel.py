@@ -270,7 +270,7 @@ class FullyShardedDataParallel(nn.Module, OptimStateDictAPI):
 
     @backward_prefetch.setter
     def backward_prefetch(self, value: Optional[BackwardPrefetch]) -> None:
-        state_of(self).schedule.backward_prefetch = value
+        state_of(self).schedule.backward_prefetch = None if value is None else coerce_enum(value, BackwardPrefetch, "backward_prefetch")
 
     @property
     def forward_prefetch(self) -> bool:

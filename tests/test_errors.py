@@ -409,6 +409,22 @@ def test_training_goes_on_after_an_exception_as_if_it_never_happened(strategy, u
         assert error <= 1e-5
 
 
+def _backward_prefetch_set_to_a_string():
+    model = fsdp1.FullyShardedDataParallel(nn.Linear(2, 2), backward_prefetch=fsdp1.BackwardPrefetch.BACKWARD_POST)
+    try:
+        model.backward_prefetch = "BACKWARD_PRE"
+        message = "no error"
+    except ValueError as error:
+        message = str(error)
+    return message, model.backward_prefetch
+
+
+def test_backward_prefetch_set_to_something_else_than_its_enum_is_refused_and_kept():
+    for message, kept in run_on_ranks(2, _backward_prefetch_set_to_a_string):
+        assert "backward_prefetch='BACKWARD_PRE' is not one of BackwardPrefetch.BACKWARD_PRE" in message
+        assert kept is fsdp1.BackwardPrefetch.BACKWARD_POST  # unchanged: the schedule still prefetches after
+
+
 # ------------------------------------------------------------------- fully_shard: bad input
 def _fully_shard_errors():
     messages = {}
@@ -425,6 +441,7 @@ def _fully_shard_errors():
     scalar.scale = nn.Parameter(torch.tensor(1.0))
     refused("scalar", lambda: fsdp1.fully_shard(scalar))
     refused("int_not_dividing", lambda: fsdp1.fully_shard(nn.Linear(2, 2), reshard_after_forward=3))
+    refused("mesh_not_a_mesh", lambda: fsdp1.fully_shard(nn.Linear(2, 2), mesh="cpu"))
     twice = fsdp1.fully_shard(nn.Linear(2, 2))
     refused("twice", lambda: fsdp1.fully_shard(twice), AssertionError)
     refused("fsdp1_inside", lambda: fsdp1.fully_shard(nn.Sequential(fsdp1.FullyShardedDataParallel(nn.Linear(2, 2)))))
@@ -450,6 +467,7 @@ def test_bad_input_is_refused_naming_the_module_or_parameter_and_the_fix():
     assert messages["module_list"].startswith("fully_shard does not support containers that do not implement forward")
     assert "Change scale to a 1D tensor" in messages["scalar"]
     assert "reshard_after_forward=3 must be a positive divisor of the shard world size 2" in messages["int_not_dividing"]
+    assert "fully_shard(mesh=...) takes a DeviceMesh, got str" in messages["mesh_not_a_mesh"]
     assert "fully_shard was already applied to it" in messages["twice"]
     assert "contains the FullyShardedDataParallel unit '0'" in messages["fsdp1_inside"]
     assert "contains the fully_shard module '0'" in messages["fully_shard_inside"]

@@ -72,6 +72,12 @@ def fully_shard(
         _check_module(each)
     if dp_mesh_dims is not None:
         raise NotImplementedError("fsdp1: fully_shard(dp_mesh_dims=...) (parameters that are already DTensors) is not supported yet.")
+    if mesh is not None and not isinstance(mesh, comm.DeviceMesh):
+        raise ValueError(
+            f"fsdp1: fully_shard(mesh=...) takes a DeviceMesh, got {type(mesh).__name__}. Build one with "
+            "torch.distributed.device_mesh.init_device_mesh(device_type, (world_size,)), or leave mesh out for "
+            "the default group."
+        )
     mesh = _default_mesh() if mesh is None else mesh
     if mesh.ndim not in (1, 2):
         raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}")  # torch's
