@@ -219,7 +219,7 @@ def _managed_slots(module: nn.Module, ignored_ids: Set[int], placement_fn: Optio
                    shard_size: int) -> List[ParamSlot]:
     """The registrations of the parameters this group shards: ``module``'s, minus those of modules
     sharded before it and the ignored ones. Refused: a scalar, a parameter that is already a DTensor
-    (tensor parallelism), a placement other than ``Shard(0)``, a parameter tied to one another group
+    (tensor parallelism) or that defines an all-gather extension, a placement other than ``Shard(0)``, a parameter tied to one another group
     manages (which would split one weight over two groups)."""
     sharded_elsewhere = _sharded_elsewhere(module)
     slots, dims = [], []
@@ -242,6 +242,14 @@ def _managed_slots(module: nn.Module, ignored_ids: Set[int], placement_fn: Optio
             raise NotImplementedError(
                 f"fsdp1: parameter '{slot.fqn}' is already a DTensor (tensor parallelism); fully_shard of DTensor "
                 "parameters is not supported yet."
+            )
+        if hasattr(param, "fsdp_pre_all_gather"):
+            raise NotImplementedError(
+                f"fsdp1: parameter '{slot.fqn}' is a {type(param).__name__} that defines fsdp_pre_all_gather (an "
+                "all-gather extension, as torchao's float8 and int8 training weights define); fsdp1's fully_shard "
+                "does not support all-gather extensions yet, and sharding it as a plain tensor would train its "
+                "plain values without the subclass. Shard this model with torch's fully_shard, or keep the parameter "
+                "out of the group (ignored_params)."
             )
         if not param.is_contiguous():
             raise NotImplementedError(  # torch's type and phrase
