@@ -32,16 +32,14 @@ def _module_name(path: Path) -> str:
 
 def _resolve(own: str, level: int, target: str) -> str:
     """The dotted name under fsdp1 that a relative import of ``level`` dots from module ``own`` names."""
-    parts = own.split(".")
+    parts = own.split(".")  # a package's ``__init__`` counts as a part, so one dot names the package
     base = parts[: len(parts) - level]
-    if own.endswith("__init__"):
-        base = parts[: len(parts) - level]
     return ".".join(p for p in [*base, target] if p)
 
 
-def _imports(path: Path):
+def _imports(path: Path, modules):
     """Every fsdp1 module imported by ``path`` (relative imports; a ``from pkg import mod`` names
-    the module), annotations under ``TYPE_CHECKING`` included."""
+    the module, one of ``modules``), annotations under ``TYPE_CHECKING`` included."""
     own = _module_name(path)
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
@@ -49,7 +47,7 @@ def _imports(path: Path):
             package = _resolve(own, node.level, node.module or "")
             for alias in node.names:
                 candidate = f"{package}.{alias.name}" if package else alias.name
-                found.add(candidate if candidate in _all_modules() else package)
+                found.add(candidate if candidate in modules else package)
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fsdp1"):
             found.add(node.module.removeprefix("fsdp1").lstrip("."))
     found.discard("")
@@ -65,7 +63,8 @@ def _all_modules():
 
 
 def _graph():
-    return {_module_name(path).removesuffix(".__init__"): _imports(path) for path in PACKAGE.rglob("*.py")}
+    modules = _all_modules()
+    return {_module_name(path).removesuffix(".__init__"): _imports(path, modules) for path in PACKAGE.rglob("*.py")}
 
 
 def _area(module: str) -> str:

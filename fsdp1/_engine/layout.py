@@ -1,13 +1,16 @@
 """Where a unit's parameters lie: in the unsharded buffer a gather fills, and in each rank's shard.
 
-A layout answers the three questions the handle's collectives and views ask, and nothing else:
+A layout answers the four questions the handle's collectives, its views and the state dicts ask, and
+nothing else:
 
 * what an all-gather of the ranks' shards fills: the unsharded buffer, of which every parameter is
   a view in its own shape (``unflatten``), and how the gather is issued (``all_gather``);
 * what a gradient reduction reads: the unsharded gradient, in the order the collective splits it
   over the ranks (``reduce_input``);
 * where each original parameter's part of this rank's shard lives (``shard_infos``,
-  ``local_views``), which the original parameters at rest, their gradients and the state dicts use.
+  ``local_views``), which the original parameters at rest, their gradients and the state dicts use;
+* which dim-0 rows of each parameter this rank holds in DTensor's ``Shard(0)`` and how they move out
+  of the shard and back (``held_rows``, ``rows_of``, ``load_rows``), which SHARDED state dicts use.
 
 Both layouts keep the unsharded buffer parameter-major (``flat``: every parameter contiguous, in flat
 order, so that one split gives a forward all of them); they differ in what a rank holds.

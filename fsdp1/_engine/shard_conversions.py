@@ -1,6 +1,6 @@
 """A unit's state-dict conversions: its parameters, and any tensor laid out as its local shard
 (optimizer state), between the flat shard and the per-parameter forms FULL (full values), SHARDED
-(DTensor rows, through ``RowRedistribution``) and LOCAL (the unpadded shard) describe.
+(DTensor rows, which the layout moves: ``ParamLayout.rows_of``) and LOCAL (the unpadded shard) describe.
 
 ``ShardConversions`` reads the layout and writes the shard of the handle that holds it; what it
 needs of the handle is ``ShardHolder``: the shard itself, where the group computes, and the reshard
@@ -47,7 +47,7 @@ class ShardConversions:
     def dim0_chunks(self) -> List[torch.Tensor]:
         """Each parameter's rows that this rank holds when split along dim 0 over the group (DTensor's
         ``Shard(0)``), as new tensors, without unsharding the unit."""
-        return self._layout.rows_of(self._holder.local_shard, self._group)
+        return self.rows_of(self._holder.local_shard)
 
     def load_dim0_chunks(self, chunks: Sequence[Optional[torch.Tensor]]) -> None:
         """The inverse of ``dim0_chunks``: each parameter's rows of this rank (None keeps the

@@ -90,6 +90,7 @@ def fully_shard(
     shard_group = groups[-1]
     replicate_group = groups[0] if mesh.ndim == 2 else None
     placements: Tuple[Placement, ...] = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
+    sharding = RowSharding(mesh, placements)
     after_forward, rows_group_size = _reshard_after_forward(reshard_after_forward, comm.group_size(shard_group))
     if rows_group_size and mesh.ndim != 1:
         raise NotImplementedError(f"fsdp1: reshard_after_forward={reshard_after_forward} on a 2-D mesh (HSDP) is not supported yet.")
@@ -103,7 +104,7 @@ def fully_shard(
     if slots:
         precision = HandlePrecision(slots[0].live_param.dtype, policy.param_dtype, policy.reduce_dtype,
                                     accumulates_in_reduce_dtype=True)
-        views = DTensorParamViews(slots, modules[0], RowSharding(mesh, placements))
+        views = DTensorParamViews(slots, modules[0], sharding)
         layout = RowShardLayout(views.shapes, comm.group_rank(shard_group), comm.group_size(shard_group))
         # torch's FSDP2 averages with ReduceOp.AVG (sum, then divide) outside fp16: one division of the
         # reduced shard instead of one of the whole gradient before the reduction
@@ -130,7 +131,7 @@ def fully_shard(
                 assert isinstance(inner_state.handle.views, DTensorParamViews), "fully_shard's handle"
                 inner_state.handle.views.name_member(inner, path)
         if handle is not None:
-            register_fully_shard_hooks(each, handle, views.sharding)
+            register_fully_shard_hooks(each, handle, sharding)
         each.__class__ = _fsdp_class(type(each))
         _register_as_fully_shard(each)
     return modules if isinstance(module, list) else module

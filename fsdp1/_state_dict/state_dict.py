@@ -160,7 +160,8 @@ def _in_summon_full_params(unit: nn.Module) -> bool:
 def _post_state_dict(unit: nn.Module, destination: Dict[str, Any], prefix: str, local_metadata: Any) -> Dict[str, Any]:
     _strip_wrapper_names(destination, prefix)
     kind = _effective_type(unit)
-    config = state_dicts_of(unit).config if kind is state_dicts_of(unit).type else FullStateDictConfig()
+    settings = state_dicts_of(unit)
+    config = settings.config if kind is settings.type else FullStateDictConfig()
     keep = not (kind is StateDictType.FULL_STATE_DICT and getattr(config, "rank0_only", False) and comm.global_rank() != 0)
     handle = state_of(unit).handle
     if handle is not None and _in_summon_full_params(unit):
