@@ -23,7 +23,9 @@ test: install
 fuzz: install
 	FSDP1_FUZZ_EXAMPLES=500 FSDP1_FUZZ_SHRINK=1 $(PYTHON) -m pytest -q tests/test_fuzz.py
 
+# A fresh run each time: it saves into out/checkpoints, which --resume continues (see docs/commands.md).
 train: install-examples
+	rm -rf out/checkpoints
 	$(TORCHRUN) examples/train_gpt.py
 
 migrate: install-examples

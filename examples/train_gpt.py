@@ -141,6 +141,18 @@ def resume(directory: Path, load: Callable[[Path], None], rank: int) -> int:
     return done + 1
 
 
+def check_checkpoint_dir(directory: Path, first_step: int, every: int) -> None:
+    """Before training: refuse a run that would save where a committed checkpoint of a step it will
+    train is kept already (another run's: ``fsdp1.checkpoint`` never writes into one, and the save
+    would fail after the steps before it had trained)."""
+    done, path = latest_checkpoint(directory)
+    if every and path is not None and done >= first_step:
+        raise SystemExit(
+            f"{path} is a committed checkpoint of another run at step {done}, which this one would save again: "
+            "pass --resume to continue it, or another --checkpoint-dir (or remove this one) to start afresh"
+        )
+
+
 def save_checkpoint(model: nn.Module, optim: torch.optim.Optimizer, directory: Path, step: int, keep: int) -> None:
     """Every rank writes its own dim-0 rows of the parameters and the AdamW moments; the checkpoint is
     committed once every rank has, and only then are all but the ``keep`` latest removed."""
@@ -201,6 +213,7 @@ def main() -> None:
     )
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
     first_step = resume(args.checkpoint_dir, lambda path: load_checkpoint(model, optim, path), rank) if args.resume else 1
+    check_checkpoint_dir(args.checkpoint_dir, first_step, args.checkpoint_every)
     if first_step > args.steps:  # nothing left to train: the checkpoint is at or past --steps
         if rank == 0:
             print(f"the latest checkpoint is at step {first_step - 1}, at or past --steps {args.steps}: nothing to "

@@ -37,6 +37,7 @@ from examples.train_gpt import (
     GPT,
     add_training_arguments,
     batch,
+    check_checkpoint_dir,
     init_distributed,
     load_corpus,
     mean_over_ranks,
@@ -88,6 +89,7 @@ def main() -> None:
     first_step = 1
     if args.resume_from is not None:
         first_step = resume(args.resume_from, lambda path: load_checkpoint(model, optim, path), rank)
+    check_checkpoint_dir(args.checkpoint_dir, first_step, args.checkpoint_every)
     losses: List[float] = []
     start = time.perf_counter()
     for step in range(first_step, args.steps + 1):
