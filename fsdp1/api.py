@@ -109,8 +109,9 @@ class CPUOffloadPolicy(OffloadPolicy):
 
 @dataclass
 class DataParallelMeshDims:
-    """Names the data-parallel dimensions of a mesh whose parameters are already DTensors
-    (``fully_shard(dp_mesh_dims=...)``, not supported yet): at least one is required."""
+    """Names the data-parallel dimensions of a whole SPMD mesh whose parameters are DTensors on it
+    already (``fully_shard(mesh=spmd_mesh, dp_mesh_dims=...)``): at least one is required; several
+    names of one kind are flattened into one dimension."""
 
     shard: Optional[Union[str, Tuple[str, ...]]] = None
     replicate: Optional[Union[str, Tuple[str, ...]]] = None
@@ -118,6 +119,20 @@ class DataParallelMeshDims:
     def __post_init__(self) -> None:
         if self.shard is None and self.replicate is None:
             raise ValueError("At least one of shard or replicate must be set in DataParallelMeshDims")  # torch's
+
+    @property
+    def shard_names(self) -> Tuple[str, ...]:
+        return _names(self.shard)
+
+    @property
+    def replicate_names(self) -> Tuple[str, ...]:
+        return _names(self.replicate)
+
+
+def _names(dims: Optional[Union[str, Tuple[str, ...]]]) -> Tuple[str, ...]:
+    if dims is None:
+        return ()
+    return (dims,) if isinstance(dims, str) else tuple(dims)
 
 
 class StateDictType(Enum):

@@ -446,15 +446,6 @@ def _fully_shard_errors():
     refused("twice", lambda: fsdp1.fully_shard(twice), AssertionError)
     refused("fsdp1_inside", lambda: fsdp1.fully_shard(nn.Sequential(fsdp1.FullyShardedDataParallel(nn.Linear(2, 2)))))
     refused("fully_shard_inside", lambda: fsdp1.FullyShardedDataParallel(nn.Sequential(fsdp1.fully_shard(nn.Linear(2, 2)))))
-    from torch.distributed.tensor import Shard
-
-    refused("shard_dim_1", lambda: fsdp1.fully_shard(nn.Linear(2, 2), shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else None),
-            NotImplementedError)
-    from torch.distributed.tensor import Replicate, distribute_tensor, init_device_mesh
-
-    parallel = nn.Linear(2, 2)  # a tensor-parallel parameter: already a DTensor
-    parallel.weight = nn.Parameter(distribute_tensor(parallel.weight.detach(), init_device_mesh("cpu", (2,)), [Replicate()]))
-    refused("dtensor_param", lambda: fsdp1.fully_shard(parallel), NotImplementedError)
     extended = nn.Linear(2, 2)  # a weight whose tensor subclass takes over its all-gather, as torchao's do
     extended.weight = nn.Parameter(torch.Tensor._make_subclass(_GatheredItsOwnWay, extended.weight.detach()))
     refused("extension", lambda: fsdp1.fully_shard(extended), NotImplementedError)
@@ -485,8 +476,6 @@ def test_bad_input_is_refused_naming_the_module_or_parameter_and_the_fix():
     assert "fully_shard was already applied to it" in messages["twice"]
     assert "contains the FullyShardedDataParallel unit '0'" in messages["fsdp1_inside"]
     assert "contains the fully_shard module '0'" in messages["fully_shard_inside"]
-    assert "only Shard(0) (or None) is supported yet" in messages["shard_dim_1"]
-    assert "parameter 'weight' is already a DTensor (tensor parallelism)" in messages["dtensor_param"]
     assert "parameter 'weight' is a _GatheredItsOwnWay that defines fsdp_pre_all_gather" in messages["extension"]
     assert extended_type == "_GatheredItsOwnWay"  # the refused module keeps its weight as it was
     assert "Parameter '1.weight' is shared with a parameter already managed by another FSDP group ('0.weight')" in messages["tied_across_groups"]

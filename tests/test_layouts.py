@@ -3,14 +3,15 @@ sharded or not; ``fully_shard``'s rows) keeps the same promises on 2 real ranks,
 of odd sizes, a zero-size dimension and a single row. Full values go into the shard and come back
 through the gather; the gather fills each parameter's full value; the reduction's input, reduce-
 scattered, leaves each rank its part of the summed gradient; and each parameter's dim-0 rows of
-this rank (DTensor's ``Shard(0)``) come out of the shard and go back into it."""
+this rank (DTensor's ``Shard(0)``, or ``Shard(dim)`` where ``fully_shard`` splits another dim) come
+out of the shard and go back into it."""
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from fsdp1._engine import collectives as comm
-from fsdp1._engine.layout import FlatShardLayout, RowShardLayout, shard_of_values
+from fsdp1._engine.layout import FlatShardLayout, RowShardLayout
 
 from _harness import run_on_ranks
 
@@ -21,6 +22,7 @@ LAYOUTS = {
     "flat_aligned": lambda rank, world: FlatShardLayout(SHAPES, 4, rank, world, is_sharded=True),
     "flat_unsharded": lambda rank, world: FlatShardLayout(SHAPES, 0, rank, world, is_sharded=False),
     "rows": lambda rank, world: RowShardLayout(SHAPES, rank, world),
+    "rows_other_dims": lambda rank, world: RowShardLayout(SHAPES, rank, world, shard_dims=(0, 0, 2, 1, 0, 2)),
 }
 
 
@@ -32,7 +34,7 @@ def _values(seed):
 def _unsharded_of(layout, values):
     """The whole unsharded buffer from this rank's shard of ``values``, through the layout's gather."""
     shard = torch.zeros(layout.shard_numel)
-    shard_of_values(layout, values, shard)
+    layout.shard_of_values(values, shard)
     if not layout.is_sharded:
         return shard
     unsharded = layout.new_unsharded(torch.float32, torch.device("cpu"))
@@ -61,7 +63,7 @@ def _reduction_leaves_each_rank_its_part_of_the_sum(kind):
     unsharded_grad = layout.flatten(grads[rank])
     summed = [sum(grad[i] for grad in grads) for i in range(len(SHAPES))]
     expected = torch.zeros(layout.shard_numel)
-    shard_of_values(layout, summed, expected)
+    layout.shard_of_values(summed, expected)
     reduce_input = layout.reduce_input(unsharded_grad)
     if layout.is_sharded:
         reduced = reduce_input.new_empty(layout.shard_numel)
@@ -77,26 +79,28 @@ def _rows_come_out(kind):
     layout = LAYOUTS[kind](rank, world)
     values = _values(2)
     shard = torch.zeros(layout.shard_numel)
-    shard_of_values(layout, values, shard)
+    layout.shard_of_values(values, shard)
     row_world, row_rank = (world, rank) if layout.is_sharded else (1, 0)
-    expected = [_chunk(value, row_rank, row_world) for value in values]
+    expected = [_chunk(value, dim, row_rank, row_world) for value, dim in zip(values, layout.shard_dims)]
     return [torch.equal(got, want) for got, want in zip(layout.rows_of(shard, dist.group.WORLD), expected)]
 
 
 def _rows_go_back(kind):
     layout = LAYOUTS[kind](dist.get_rank(), dist.get_world_size())
     shard = torch.zeros(layout.shard_numel)
-    shard_of_values(layout, _values(3), shard)
+    layout.shard_of_values(_values(3), shard)
     loaded = torch.zeros(layout.shard_numel)
     layout.load_rows(layout.rows_of(shard, dist.group.WORLD), loaded, dist.group.WORLD)
     return [torch.equal(got, want) for got, want in zip(layout.local_views(loaded), layout.local_views(shard))]
 
 
-def _chunk(value, rank, world):
-    """This rank's dim-0 rows as DTensor's ``Shard(0)`` holds them (``torch.chunk``'s, empty past the end)."""
-    rows = -(-value.shape[0] // world) if value.shape[0] else 0
-    start = min(rank * rows, value.shape[0])
-    return value[start : min(start + rows, value.shape[0])]
+def _chunk(value, dim, rank, world):
+    """This rank's slices along ``dim`` as DTensor's ``Shard(dim)`` holds them (``torch.chunk``'s,
+    empty past the end)."""
+    size = value.shape[dim]
+    per_rank = -(-size // world) if size else 0
+    start = min(rank * per_rank, size)
+    return value.narrow(dim, start, min(start + per_rank, size) - start)
 
 
 ALL = [True] * len(SHAPES)
@@ -105,7 +109,7 @@ PROPERTIES = {
     "full values go into the shard and come back through the gather": _full_values_round_trip,
     "the gather fills what flatten lays out": _gather_fills_flatten,
     "the reduction's input leaves each rank its part of the summed gradient": _reduction_leaves_each_rank_its_part_of_the_sum,
-    "each parameter's rows come out of the shard as DTensor's Shard(0) holds them": _rows_come_out,
+    "each parameter's slices come out of the shard as DTensor's Shard(dim) holds them": _rows_come_out,
     "rows loaded into an empty shard give the shard back": _rows_go_back,
 }
 

@@ -143,7 +143,7 @@ class FlatParamHandle:
             self.views.materialize(self.layout.unflatten(unsharded))
             materialize_in_place(self.views.all_slots())
         else:
-            unsharded = self.layout.flatten(self.views.orig_params())
+            unsharded = self.layout.flatten(self.views.initial_values())
         self.compute_device = unsharded.device
         self._offloaded = offload_params and self.compute_device.type not in ("cpu", "meta")
         self._local_shard = self.layout.shard_of(unsharded).clone() if self.is_sharded else unsharded

@@ -9,8 +9,10 @@ nothing else:
   over the ranks (``reduce_input``);
 * where each original parameter's part of this rank's shard lives (``shard_infos``,
   ``local_views``), which the original parameters at rest, their gradients and the state dicts use;
-* which dim-0 rows of each parameter this rank holds in DTensor's ``Shard(0)`` and how they move out
-  of the shard and back (``held_rows``, ``rows_of``, ``load_rows``), which SHARDED state dicts use.
+* which slices of each parameter this rank holds in DTensor's ``Shard(dim)`` (``shard_dims``: dim 0
+  but where ``fully_shard`` was told otherwise) and how they move out of the shard and back
+  (``held_rows``, ``rows_of``, ``load_rows``), which SHARDED state dicts use; and how full values
+  go into a shard (``shard_of_values``).
 
 Both layouts keep the unsharded buffer parameter-major (``flat``: every parameter contiguous, in flat
 order, so that one split gives a forward all of them); they differ in what a rank holds.
@@ -49,6 +51,7 @@ class ParamLayout(ABC):
     """
 
     shapes: Tuple[torch.Size, ...]
+    shard_dims: Tuple[int, ...]  # the dim each parameter is split along in DTensor's terms
     flat: FlatLayout  # where each parameter lies in the unsharded buffer
     shard_infos: Tuple[ParamShardInfo, ...]
     unsharded_numel: int
@@ -111,14 +114,27 @@ class ParamLayout(ABC):
         """Every parameter's part of a tensor laid out as this rank's shard."""
         return [self.local_view(shard_like, index) for index in range(len(self.shapes))]
 
+    def shard_of_values(self, values: Sequence[Optional[torch.Tensor]], shard: torch.Tensor) -> None:
+        """Write this rank's part of each full value (None: left as it is) into ``shard`` (laid out as
+        the shard), where each part is one contiguous run of the flattened value."""
+        for info, value in zip(self.shard_infos, values):
+            if value is not None and info.in_shard:
+                shard[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard] = piece_in_shard(info, value)
+
     @abstractmethod
     def held_rows(self, index: int) -> Tuple[int, int]:
-        """The dim-0 rows ``[start, end)`` of parameter ``index`` this rank holds in DTensor's
-        ``Shard(0)`` over the group (every row when the layout is not sharded)."""
+        """The slices ``[start, end)`` along its shard dim (``shard_dims``) of parameter ``index``
+        this rank holds in DTensor's ``Shard(dim)`` over the group (all of them when the layout is
+        not sharded)."""
+
+    def held_part(self, index: int, full_value: torch.Tensor) -> torch.Tensor:
+        """This rank's slices (``held_rows``) of parameter ``index``'s full value, as a view."""
+        start, end = self.held_rows(index)
+        return full_value.detach().reshape(self.shapes[index]).narrow(self.shard_dims[index], start, end - start)
 
     @abstractmethod
     def rows_of(self, shard_like: torch.Tensor, group: comm.ProcessGroup) -> List[torch.Tensor]:
-        """Each parameter's dim-0 rows this rank holds in DTensor's ``Shard(0)`` over the group, of a
+        """Each parameter's slices this rank holds in DTensor's ``Shard(dim)`` over the group, of a
         tensor laid out as its shard, as new tensors (collective where the layout is not in rows)."""
 
     @abstractmethod
@@ -164,6 +180,7 @@ class FlatShardLayout(ParamLayout):
 
     def __init__(self, shapes: Sequence[torch.Size], aligned_numel: int, rank: int, world_size: int, is_sharded: bool) -> None:
         self.shapes = tuple(shapes)
+        self.shard_dims = (0,) * len(self.shapes)
         self.rank, self.world_size, self.is_sharded = rank, world_size, is_sharded
         self.flat: FlatLayout = plan_flat_layout([shape.numel() for shape in self.shapes], aligned_numel, world_size)
         shard_world = world_size if is_sharded else 1
@@ -221,10 +238,12 @@ class FlatShardLayout(ParamLayout):
 
 
 class RowShardLayout(ParamLayout):
-    """FSDP2's layout: every parameter split along dim 0 as ``torch.chunk`` splits it (DTensor's
-    ``Shard(0)``), each rank's chunk padded to ``ceil(rows / world_size)`` rows, and this rank's
-    shard the concatenation of its padded chunks, in flat order. That is the all-gather's input
-    as torch's FSDP2 lays it out, so every rank's shard and gradient are element for element torch's.
+    """FSDP2's layout: every parameter split along its shard dim as ``torch.chunk`` splits it
+    (DTensor's ``Shard(dim)``; dim 0 unless ``shard_dims`` says otherwise), and this rank's shard the
+    concatenation of its chunks, in flat order. A dim-0 chunk is padded to ``ceil(rows /
+    world_size)`` rows; a chunk along another dim is never padded (the front refuses uneven ones, as
+    torch's). That is the all-gather's input as torch's FSDP2 lays it out, so every rank's shard and
+    gradient are element for element torch's.
 
     The unsharded buffer is parameter-major: parameter ``i`` at ``flat.offsets[i]``, followed by the
     padding rows of its last chunks, so the buffer splits into the same views as FSDP1's. The
@@ -234,37 +253,56 @@ class RowShardLayout(ParamLayout):
     copy into the all-gather's input is saved, since the shard already is that input.
     """
 
-    def __init__(self, shapes: Sequence[torch.Size], rank: int, world_size: int) -> None:
+    def __init__(self, shapes: Sequence[torch.Size], rank: int, world_size: int,
+                 shard_dims: Optional[Sequence[int]] = None) -> None:
         self.shapes = tuple(shapes)
+        self.shard_dims = tuple(shard_dims) if shard_dims is not None else (0,) * len(self.shapes)
         self.rank, self.world_size, self.is_sharded = rank, world_size, True
         self.chunk_numels: Tuple[int, ...] = ()  # each parameter's padded chunk: a rank's part of the shard
         infos, offsets, shard_offset = [], [], 0
-        self._held: List[Tuple[int, int]] = []  # the rows [start, end) of each parameter this rank holds
-        for shape in self.shapes:
-            rows, row_numel = shape[0], shape.numel() // shape[0] if shape[0] else 0
-            held = shard_span(rows, rank, world_size)
-            infos.append(ParamShardInfo(shard_offset, held.numel * row_numel, held.start * row_numel))
+        self._held: List[Tuple[int, int]] = []  # the slices [start, end) along its dim this rank holds
+        for shape, dim in zip(self.shapes, self.shard_dims):
+            slices = shape[dim]
+            slice_numel = shape.numel() // slices if slices else 0
+            held = shard_span(slices, rank, world_size)
+            first_element = held.start * shape[dim + 1 :].numel()
+            infos.append(ParamShardInfo(shard_offset, held.numel * slice_numel, first_element))
             offsets.append(world_size * shard_offset)  # every rank's chunks before it come first
             self._held.append((held.start, held.end))
-            self.chunk_numels += ((held.numel + held.numel_padded) * row_numel,)
+            self.chunk_numels += ((held.numel + held.numel_padded) * slice_numel,)
             shard_offset += self.chunk_numels[-1]
         self.shard_infos = tuple(infos)
         self.shard_numel = shard_offset
         self.unsharded_numel = shard_offset * world_size
         self.flat = FlatLayout(tuple(offsets), tuple(shape.numel() for shape in self.shapes), self.unsharded_numel)
+        self._split_along_rows = all(dim == 0 for dim in self.shard_dims)
         self._plan_split()
 
     def new_unsharded(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.zeros(self.unsharded_numel, dtype=dtype, device=device)
 
     def _rank_major(self, unsharded: torch.Tensor) -> List[torch.Tensor]:
-        """Each parameter's padded rows in ``unsharded`` as (world_size, chunk) views: row ``r``
-        is rank ``r``'s chunk."""
-        return [unsharded[offset : offset + self.world_size * chunk].view(self.world_size, chunk)
-                for offset, chunk in zip(self.flat.offsets, self.chunk_numels)]
+        """Each parameter's padded chunks in ``unsharded`` as views whose index ``r`` on their first
+        dim is rank ``r``'s chunk: ``(world_size, chunk numel)`` for a split along dim 0, ``(world_size,
+        *chunk shape)`` (strided) for one along another dim."""
+        views = []
+        for offset, chunk, shape, dim in zip(self.flat.offsets, self.chunk_numels, self.shapes, self.shard_dims):
+            region = unsharded[offset : offset + self.world_size * chunk]
+            if dim == 0:
+                views.append(region.view(self.world_size, chunk))
+            else:
+                split = (*shape[:dim], self.world_size, shape[dim] // self.world_size, *shape[dim + 1 :])
+                views.append(region.view(split).movedim(dim, 0))
+        return views
 
     def shard_of(self, unsharded: torch.Tensor) -> torch.Tensor:
-        return torch.cat([chunks[self.rank] for chunks in self._rank_major(unsharded)])
+        return torch.cat([chunks[self.rank].reshape(-1) for chunks in self._rank_major(unsharded)])
+
+    def shard_of_values(self, values: Sequence[Optional[torch.Tensor]], shard: torch.Tensor) -> None:
+        for index, value in enumerate(values):
+            if value is not None:
+                self.local_view(shard, index).copy_(self.held_part(index, value))
+
 
     def all_gather(self, unsharded: torch.Tensor, shard: torch.Tensor, group: comm.ProcessGroup, path: str) -> comm.Waitable:
         if self.world_size == 1:  # one rank: its shard is the buffer
@@ -278,17 +316,21 @@ class RowShardLayout(ParamLayout):
                           dict(enumerate(gathered.unbind())))
 
     def copy_out(self, shards: Dict[int, torch.Tensor], unsharded: torch.Tensor) -> None:
-        """Each rank's shard into its rows of the parameter-major ``unsharded``, allocated only now: a
-        prefetched gather holds one unsharded buffer's worth until it is waited for, not two."""
+        """Each rank's shard into its chunks of the parameter-major ``unsharded``, allocated only now:
+        a prefetched gather holds one unsharded buffer's worth until it is waited for, not two."""
         alloc_storage(unsharded)
         rank_major = self._rank_major(unsharded)
         for rank, shard in shards.items():
-            torch.split_with_sizes_copy(shard, list(self.chunk_numels), out=[chunks[rank] for chunks in rank_major])
+            if self._split_along_rows:
+                torch.split_with_sizes_copy(shard, list(self.chunk_numels), out=[chunks[rank] for chunks in rank_major])
+                continue
+            for chunks, piece in zip(rank_major, torch.split(shard, list(self.chunk_numels))):
+                chunks[rank].copy_(piece.view(chunks[rank].shape))
 
     def reduce_input(self, unsharded_grad: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
             return unsharded_grad
-        return torch.cat(self._rank_major(unsharded_grad), dim=1).view(-1)
+        return torch.cat([chunks.reshape(self.world_size, -1) for chunks in self._rank_major(unsharded_grad)], dim=1).view(-1)
 
     def held_rows(self, index: int) -> Tuple[int, int]:
         return self._held[index]
@@ -302,10 +344,10 @@ class RowShardLayout(ParamLayout):
                 view.copy_(row.reshape(view.shape))
 
     def local_view(self, shard_like: torch.Tensor, index: int, start: int = 0) -> torch.Tensor:
-        info, shape = self.shard_infos[index], self.shapes[index]
+        info, shape, dim = self.shard_infos[index], self.shapes[index], self.shard_dims[index]
         piece = shard_like[info.offset_in_shard - start : info.offset_in_shard - start + info.numel_in_shard]
-        start_row, end_row = self._held[index]
-        return piece.view(end_row - start_row, *shape[1:])
+        first, end = self._held[index]
+        return piece.view(*shape[:dim], end - first, *shape[dim + 1 :])
 
 
 class _CopiedOut:
@@ -342,14 +384,6 @@ def free_storage(tensor: torch.Tensor) -> None:
 
 
 def piece_in_shard(info: ParamShardInfo, full_value: torch.Tensor) -> torch.Tensor:
-    """The part of a parameter's full value (any shape) that lies in this rank's shard, flat."""
+    """The part of a parameter's full value (any shape) that lies in this rank's shard, flat, where
+    that part is one contiguous run of the flattened value (FSDP1's layout, and rows along dim 0)."""
     return full_value.detach().reshape(-1)[info.intra_param_start : info.intra_param_start + info.numel_in_shard]
-
-
-def shard_of_values(layout: ParamLayout, values: Sequence[Optional[torch.Tensor]], shard: torch.Tensor) -> None:
-    """Write this rank's part of each full value (None: left as it is) into ``shard`` (laid out as the
-    shard). Both layouts hold each parameter's part as one contiguous run of its flattened values
-    (a flat slice, or whole dim-0 rows), which ``piece_in_shard`` cuts."""
-    for info, value in zip(layout.shard_infos, values):
-        if value is not None and info.in_shard:
-            shard[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard] = piece_in_shard(info, value)

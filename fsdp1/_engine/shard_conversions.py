@@ -12,7 +12,7 @@ from typing import List, Optional, Protocol, Sequence
 import torch
 
 from . import collectives as comm
-from .layout import ParamLayout, shard_of_values
+from .layout import ParamLayout
 
 
 class ShardHolder(Protocol):
@@ -41,7 +41,7 @@ class ShardConversions:
         shard's autograd version counter (``.data``), which the flat parameter shares: views a forward
         saved for its backward stay valid across a ``summon_full_params`` between the two."""
         with torch.no_grad():
-            shard_of_values(self._layout, values, self._holder.local_shard.data)
+            self._layout.shard_of_values(values, self._holder.local_shard.data)
         self._holder.reshard()
 
     def dim0_chunks(self) -> List[torch.Tensor]:
@@ -82,7 +82,7 @@ class ShardConversions:
         """The inverse of ``full_values_of`` without communication: this rank's slices of each full
         value (None: zeros) in a new shard-laid-out tensor."""
         shard = like.new_zeros(self._layout.shard_numel)
-        shard_of_values(self._layout, values, shard)
+        self._layout.shard_of_values(values, shard)
         return shard
 
     def padded_full_of(self, values: Sequence[Optional[torch.Tensor]], like: torch.Tensor) -> torch.Tensor:

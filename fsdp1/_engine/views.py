@@ -86,6 +86,10 @@ class ParamViews(ABC):
         """The original parameters, in flat order (first registrations; use_orig_params)."""
         return [slot.live_param for slot in self.slots]
 
+    def initial_values(self) -> List[torch.Tensor]:
+        """The values the unit starts from, in flat order and in the layout's shapes."""
+        return list(self.orig_params())
+
     def materialize(self, views: Sequence[torch.Tensor]) -> None:
         """Meta parameters become Parameters viewing ``views`` (their places in a new unsharded
         buffer); every registration of a tied one gets the same new Parameter."""

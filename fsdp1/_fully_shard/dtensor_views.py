@@ -2,12 +2,12 @@
 tensors while it computes.
 
 ``DTensorParamViews`` is the third kind of ``ParamViews``. At rest every original name holds a
-DTensor ``nn.Parameter`` (``Shard(0)``, after ``Replicate()`` on a 2-D mesh) whose local tensor is
-a view of this rank's rows in the unit's shard, so an optimizer built on ``model.parameters()``
-updates the shard in place; its ``.grad`` is a DTensor viewing the sharded gradient the same way.
-A forward installs plain views of the unsharded buffer, which stay registered as long as the unit
-stays gathered (the root after its forward, a unit told not to reshard), as torch's FSDP2 leaves
-its unsharded parameters registered.
+DTensor ``nn.Parameter`` (placed as its ``ParamSharding`` says) whose local tensor is a view of this
+rank's part of the unit's shard, so an optimizer built on ``model.parameters()`` updates the shard
+in place; its ``.grad`` is a DTensor viewing the sharded gradient the same way. A forward installs
+views of the unsharded buffer (the tensor-parallel DTensors over them, for parameters that were
+DTensors), which stay registered as long as the unit stays gathered (the root after its forward, a
+unit told not to reshard), as torch's FSDP2 leaves its unsharded parameters registered.
 """
 
 import weakref
@@ -17,20 +17,23 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .._engine.dtensors import RowSharding, viewing
+from .._engine.dtensors import viewing
 from .._engine.layout import ParamLayout
 from .._engine.orig_views import OrigParamViews
 from .._engine.traversal import ParamSlot
 from .._engine.views import FLATTENED
+from .param_sharding import ParamSharding
 
 
 class DTensorParamViews(OrigParamViews):
     """fully_shard: DTensor parameters at rest, viewing the shard; the forward's plain views while
     the unit is gathered."""
 
-    def __init__(self, slots: Sequence[ParamSlot], owner: nn.Module, sharding: RowSharding) -> None:
+    def __init__(self, slots: Sequence[ParamSlot], owner: nn.Module, shardings: Dict[int, ParamSharding]) -> None:
+        """``shardings``: each parameter's, by the id of the parameter."""
         super().__init__(slots, owner)
-        self.sharding = sharding
+        self.shardings = [shardings[id(slot.live_param)] for slot in self.slots]
+        self.shapes = tuple(sharding.local_shape for sharding in self.shardings)  # what the layout splits
         # The optimizer's gradient is held by the .grad DTensors alone (their local tensors view it),
         # so that zero_grad() frees it, as under torch's FSDP2; these are weak.
         self._grad: Optional["weakref.ref[torch.Tensor]"] = None
@@ -49,7 +52,7 @@ class DTensorParamViews(OrigParamViews):
         for index, (slot, view) in enumerate(zip(self.slots, layout.local_views(shard))):
             self.replaced[id(slot.live_param)] = (weakref.ref(slot.live_param), slot.module, slot.attr)
             setattr(slot.live_param, FLATTENED, True)
-            self._replace_param(index, self.sharding.parameter(view, slot.live_param.shape, slot.live_param.requires_grad))
+            self._replace_param(index, self.shardings[index].parameter(view, slot.live_param.requires_grad))
         self._resting_views = [_local_of(param) for param in self.orig_params()]
         self._manage()
         self._show_originals()
@@ -57,15 +60,15 @@ class DTensorParamViews(OrigParamViews):
     def repoint(self, shard: torch.Tensor, layout: ParamLayout) -> None:
         """The same Parameter objects (an optimizer holds them) now view the new shard, in its dtype
         and on its device."""
-        for slot, view in zip(self.slots, layout.local_views(shard)):
+        for slot, view, sharding in zip(self.slots, layout.local_views(shard), self.shardings):
             param = slot.live_param
             if param.is_meta and not view.is_meta:  # to_empty(): swapped, as nn.Module swaps DTensors
                 fqn = self._managed_params.pop(id(param))[1]  # swap_tensors refuses weakly held tensors
-                torch.utils.swap_tensors(param, self.sharding.parameter(view, param.shape, param.requires_grad))
+                torch.utils.swap_tensors(param, sharding.parameter(view, param.requires_grad))
                 self._managed_params[id(param)] = (weakref.ref(param), fqn)
                 setattr(param, FLATTENED, True)
                 continue
-            moved = self.sharding.dtensor(view, param.shape)
+            moved = sharding.dtensor(view)
             if (param.dtype, param.device) != (view.dtype, view.device):
                 param.data = moved  # the wrapper's own dtype and device
             _point(param, moved)
@@ -107,7 +110,14 @@ class DTensorParamViews(OrigParamViews):
         ref, module, attr = self.replaced.get(id(param), (None, None, ""))
         return (module, attr) if ref is not None and module is not None and ref() is param else None
 
+    def initial_values(self) -> List[torch.Tensor]:
+        return [sharding.local_of_computing(param) for sharding, param in zip(self.shardings, self.orig_params())]
+
     def install(self, tensors: Sequence[torch.Tensor], as_parameters: bool, through_setattr: bool = False) -> None:
+        """A forward's views become what the module computes on (tensor-parallel DTensors over them,
+        under autograd, for parameters that were DTensors); DTensors are registered as they are."""
+        tensors = [tensor if isinstance(tensor, DTensor) else sharding.for_compute(tensor)
+                   for sharding, tensor in zip(self.shardings, tensors)]
         super().install(tensors, as_parameters, through_setattr)
         # what the modules hold now (a frozen parameter's view was detached on the way in)
         self._installed = [cast(torch.Tensor, slot.module._parameters[slot.attr]) for slot in self.slots]
@@ -159,15 +169,16 @@ class DTensorParamViews(OrigParamViews):
                     f"{tuple(slot.live_param.shape)} in {view.dtype}. Assign values of that shape and dtype, or convert "
                     "the module first (module.to(dtype)); or load them with load_state_dict(), which converts."
                 )
-            local = current.to_local() if isinstance(current, DTensor) else current.detach()[slice(*layout.held_rows(index))]
+            sharding = self.shardings[index]
+            local = current.to_local() if isinstance(current, DTensor) else layout.held_part(index, sharding.local_of_full(current))
             with torch.no_grad():  # through ``.data``: the shard's version counter is the flat parameter's
                 view.data.copy_(local.reshape(view.shape))
             if not isinstance(current, DTensor):
-                current = self.sharding.parameter(view, current.shape, current.requires_grad)
+                current = sharding.parameter(view, current.requires_grad)
                 slot.module._parameters[slot.attr] = current
             if current is not slot.param:
                 self._adopt_param(index, current)
-            _point(current, self.sharding.dtensor(view, current.shape))
+            _point(current, sharding.dtensor(view))
             self._resting_views[index] = _local_of(current)
             self._awaiting_values.discard(index)
             written = True
@@ -226,8 +237,8 @@ class DTensorParamViews(OrigParamViews):
             slot.live_param.grad = None
         if self._installed is not None:
             grads = layout.unflatten(flat_grad) if flat_grad is not None else [None] * len(self.slots)
-            for param, grad, requires_grad in zip(self._installed, grads, self.requires_grad):
-                param.grad = grad if requires_grad else None
+            for param, grad, requires_grad, sharding in zip(self._installed, grads, self.requires_grad, self.shardings):
+                param.grad = sharding.shown_unsharded(grad) if requires_grad and grad is not None else None
 
     def every_grad_dropped(self) -> bool:
         return False  # a zero_grad() between unsynchronised backwards leaves their sum, as torch's FSDP2
@@ -259,9 +270,24 @@ class DTensorParamViews(OrigParamViews):
 
     def _install_full(self, views: Sequence[torch.Tensor]) -> List[nn.Parameter]:
         """Full Parameters viewing ``views``, outside autograd, under the original names."""
-        full = [nn.Parameter(view, requires_grad=requires_grad) for view, requires_grad in zip(views, self.requires_grad)]
+        full = [nn.Parameter(sharding.shown_unsharded(view), requires_grad=requires_grad)
+                for view, requires_grad, sharding in zip(views, self.requires_grad, self.shardings)]
         self.install(full, as_parameters=True)
         return full
+
+    def registered_full_params(self, exposed: List[nn.Parameter]) -> List[nn.Parameter]:
+        """What the modules hold, as tensors of the gathered buffer's shapes (the local tensors of
+        tensor-parallel DTensors), whose values are written back."""
+        registered = super().registered_full_params(exposed)
+        return [cast(nn.Parameter, sharding.local_of_computing(param)) for sharding, param in zip(self.shardings, registered)]
+
+    def global_shape(self, index: int) -> torch.Size:
+        return self.shardings[index].shape
+
+    def sharded_of_full(self, index: int, full: torch.Tensor, layout: ParamLayout) -> DTensor:
+        """This rank's part of a plain full value of parameter ``index``, as its DTensor at rest."""
+        sharding = self.shardings[index]
+        return sharding.dtensor(layout.held_part(index, sharding.local_of_full(full)))
 
     def hide_full(self, flat_param: nn.Parameter, shard: torch.Tensor, layout: ParamLayout) -> None:
         self._show_originals()

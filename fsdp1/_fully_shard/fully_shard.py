@@ -11,12 +11,12 @@ blocks first, then the root, whose first forward makes it the root of every unit
 
 import warnings
 from collections import OrderedDict
-from typing import Any, Callable, List, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 import torch
 from torch import nn
 from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem, _get_registry
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .._engine import collectives as comm
 from .._engine.collectives import ProcessGroups
@@ -39,6 +39,7 @@ from ..api import (
 )
 from .dtensor_views import DTensorParamViews
 from .module import FSDPModule, _fsdp_class
+from .param_sharding import DataParallelMesh, ParamSharding
 from .post_forward import PostForwardRows
 
 
@@ -70,8 +71,6 @@ def fully_shard(
         )
     for each in modules:
         _check_module(each)
-    if dp_mesh_dims is not None:
-        raise NotImplementedError("fsdp1: fully_shard(dp_mesh_dims=...) (parameters that are already DTensors) is not supported yet.")
     if mesh is not None and not isinstance(mesh, comm.DeviceMesh):
         raise ValueError(
             f"fsdp1: fully_shard(mesh=...) takes a DeviceMesh, got {type(mesh).__name__}. Build one with "
@@ -79,42 +78,44 @@ def fully_shard(
             "the default group."
         )
     mesh = _default_mesh() if mesh is None else mesh
-    if mesh.ndim not in (1, 2):
-        raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}")  # torch's
-    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
-        raise AssertionError(  # torch's type and phrase
-            "Please init the 2D mesh for HSDP with mesh_dim_names specified. fsdp1: e.g. "
-            "init_device_mesh(device_type, (replicas, shard), mesh_dim_names=(\"replicate\", \"shard\"))."
-        )
-    groups = comm.mesh_groups(mesh)
-    shard_group = groups[-1]
-    replicate_group = groups[0] if mesh.ndim == 2 else None
-    placements: Tuple[Placement, ...] = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
-    sharding = RowSharding(mesh, placements)
+    if dp_mesh_dims is not None and type(dp_mesh_dims) is not DataParallelMeshDims:  # torch's own
+        dp_mesh_dims = DataParallelMeshDims(dp_mesh_dims.shard, dp_mesh_dims.replicate)
+    _check_mesh(mesh, dp_mesh_dims)
+    dp_mesh = DataParallelMesh(mesh, dp_mesh_dims)
+    shard_group, replicate_group = dp_mesh.groups
     after_forward, rows_group_size = _reshard_after_forward(reshard_after_forward, comm.group_size(shard_group))
-    if rows_group_size and mesh.ndim != 1:
+    if rows_group_size and dp_mesh.replicates:
         raise NotImplementedError(f"fsdp1: reshard_after_forward={reshard_after_forward} on a 2-D mesh (HSDP) is not supported yet.")
     policy = _mixed_precision_policy(mp_policy)
     offload = _offload_policy(offload_policy)
     ignored = {id(p) for p in ignored_params or ()}
-    slots = [slot for each in modules for slot in _managed_slots(each, ignored, shard_placement_fn, comm.group_size(shard_group))]
-
+    slots: List[ParamSlot] = []
+    shardings: Dict[int, ParamSharding] = {}
+    for each in modules:
+        slots += _managed_slots(each, ignored, shard_placement_fn, dp_mesh, shardings)
+    if rows_group_size and any(sharding.computing is not None for sharding in shardings.values()):
+        raise NotImplementedError(  # torch's phrase, raised at its first forward
+            "Resharding to smaller mesh is not supported for DTensor parameters yet. fsdp1: "
+            f"reshard_after_forward={reshard_after_forward} keeps rows over a smaller group, which fully_shard does "
+            "not do for parameters that are DTensors (tensor parallelism); pass True or False."
+        )
     _check_one_dtype(slots)
     handle = None
     if slots:
         precision = HandlePrecision(slots[0].live_param.dtype, policy.param_dtype, policy.reduce_dtype,
                                     accumulates_in_reduce_dtype=True)
-        views = DTensorParamViews(slots, modules[0], sharding)
-        layout = RowShardLayout(views.shapes, comm.group_rank(shard_group), comm.group_size(shard_group))
+        views = DTensorParamViews(slots, modules[0], shardings)
+        layout = RowShardLayout(views.shapes, comm.group_rank(shard_group), comm.group_size(shard_group),
+                                shard_dims=[sharding.shard_dim for sharding in views.shardings])
         # torch's FSDP2 averages with ReduceOp.AVG (sum, then divide) outside fp16: one division of the
         # reduced shard instead of one of the whole gradient before the reduction
         ranks = comm.group_size(shard_group) * (comm.group_size(replicate_group) if replicate_group else 1)
         settings = ReduceSettings(divide_factor=ranks if precision.reduce_dtype != torch.float16 else None)
-        rows = _rows_after_forward(layout, mesh, rows_group_size) if rows_group_size else None
+        rows = _rows_after_forward(layout, dp_mesh.mesh, rows_group_size) if rows_group_size else None
         handle = FlatParamHandle(views, layout, ProcessGroups(shard_group, replicate_group), precision,
                                  offload_params=isinstance(offload, CPUOffloadPolicy), reduce_settings=settings,
                                  rows_after_forward=rows)
-    compute_device = handle.compute_device if handle is not None else torch.device(mesh.device_type)
+    compute_device = handle.compute_device if handle is not None else torch.device(dp_mesh.mesh.device_type)
     mixed_precision = None
     if policy.param_dtype is not None or policy.reduce_dtype is not None:
         mixed_precision = MixedPrecision(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype,
@@ -131,7 +132,8 @@ def fully_shard(
                 assert isinstance(inner_state.handle.views, DTensorParamViews), "fully_shard's handle"
                 inner_state.handle.views.name_member(inner, path)
         if handle is not None:
-            register_fully_shard_hooks(each, handle, sharding)
+            assert isinstance(handle.views, DTensorParamViews), "fully_shard's handle"
+            register_fully_shard_hooks(each, handle, handle.views)
         each.__class__ = _fsdp_class(type(each))
         _register_as_fully_shard(each)
     return modules if isinstance(module, list) else module
@@ -142,6 +144,24 @@ def _rows_after_forward(layout: RowShardLayout, mesh: comm.DeviceMesh, group_siz
     torch's are: ``(Replicate(), Shard(0))`` on a ``(world / group_size, group_size)`` mesh."""
     regrouped = comm.regrouped_mesh(mesh, group_size)
     return PostForwardRows(layout, comm.mesh_groups(regrouped)[1], RowSharding(regrouped, (Replicate(), Shard(0))))
+
+
+def _check_mesh(mesh: comm.DeviceMesh, dp_mesh_dims: Optional[DataParallelMeshDims]) -> None:
+    """torch's checks of ``mesh`` and ``dp_mesh_dims``, with its types and messages."""
+    if dp_mesh_dims is not None:
+        if mesh.mesh_dim_names is None:
+            raise ValueError("mesh must have mesh_dim_names when dp_mesh_dims is provided")  # torch's
+        for name in (*dp_mesh_dims.shard_names, *dp_mesh_dims.replicate_names):
+            if name not in mesh.mesh_dim_names:
+                raise ValueError(f"Mesh dim name '{name}' not found in mesh.mesh_dim_names {mesh.mesh_dim_names}")  # torch's
+        return
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}")  # torch's
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise AssertionError(  # torch's type and phrase
+            "Please init the 2D mesh for HSDP with mesh_dim_names specified. fsdp1: e.g. "
+            "init_device_mesh(device_type, (replicas, shard), mesh_dim_names=(\"replicate\", \"shard\"))."
+        )
 
 
 def _check_module(module: nn.Module) -> None:
@@ -217,13 +237,15 @@ def _offload_policy(policy: Any) -> OffloadPolicy:
 
 
 def _managed_slots(module: nn.Module, ignored_ids: Set[int], placement_fn: Optional[Callable[[nn.Parameter], Any]],
-                   shard_size: int) -> List[ParamSlot]:
+                   dp_mesh: DataParallelMesh, shardings: Dict[int, ParamSharding]) -> List[ParamSlot]:
     """The registrations of the parameters this group shards: ``module``'s, minus those of modules
-    sharded before it and the ignored ones. Refused: a scalar, a parameter that is already a DTensor
-    (tensor parallelism) or that defines an all-gather extension, a placement other than ``Shard(0)``, a parameter tied to one another group
-    manages (which would split one weight over two groups)."""
+    sharded before it and the ignored ones; each parameter's ``ParamSharding`` goes into
+    ``shardings``. Refused: a scalar, a parameter that defines an all-gather extension, a parameter
+    tied to one another group manages (which would split one weight over two groups), and what
+    torch's refuses of placements and meshes."""
     sharded_elsewhere = _sharded_elsewhere(module)
-    slots, dims = [], []
+    shard_size = comm.group_size(dp_mesh.groups[0])
+    slots = []
     for slot in iter_param_slots(module, stop=lambda m: is_fsdp_unit(m) or _is_replicated(m)):
         param = slot.live_param
         if id(param) in ignored_ids:
@@ -239,34 +261,25 @@ def _managed_slots(module: nn.Module, ignored_ids: Set[int], placement_fn: Optio
             )
         if param.dim() == 0:
             raise ValueError(f"fully_shard doesn't support scalar parameters. Change {slot.fqn} to a 1D tensor with numel equal to 1.")
-        if isinstance(param, DTensor):
+        local = param._local_tensor if isinstance(param, DTensor) else param
+        if hasattr(local, "fsdp_pre_all_gather"):
             raise NotImplementedError(
-                f"fsdp1: parameter '{slot.fqn}' is already a DTensor (tensor parallelism); fully_shard of DTensor "
-                "parameters is not supported yet."
-            )
-        if hasattr(param, "fsdp_pre_all_gather"):
-            raise NotImplementedError(
-                f"fsdp1: parameter '{slot.fqn}' is a {type(param).__name__} that defines fsdp_pre_all_gather (an "
+                f"fsdp1: parameter '{slot.fqn}' is a {type(local).__name__} that defines fsdp_pre_all_gather (an "
                 "all-gather extension, as torchao's float8 and int8 training weights define); fsdp1's fully_shard "
                 "does not support all-gather extensions yet, and sharding it as a plain tensor would train its "
                 "plain values without the subclass. Shard this model with torch's fully_shard, or keep the parameter "
                 "out of the group (ignored_params)."
             )
-        if not param.is_contiguous():
+        if not local.is_contiguous():
             raise NotImplementedError(  # torch's type and phrase
                 f"FSDP does not support non-contiguous parameters yet: {param.shape=} {param.stride()=}. fsdp1: "
                 f"make '{slot.fqn}' contiguous before fully_shard (e.g. a channels_last convolution's weight: "
                 "convert the module to channels_last after sharding, or not at all)."
             )
-        if placement_fn is not None:
-            dims.append((slot.fqn, _placement_dim(param, placement_fn(param), shard_size)))
+        dim = _placement_dim(local, placement_fn(param) if placement_fn is not None else None, shard_size)
+        if id(param) not in shardings:
+            shardings[id(param)] = dp_mesh.sharding_of(param, dim, slot.fqn)
         slots.append(slot)
-    unsupported = next(((fqn, dim) for fqn, dim in dims if dim != 0), None)
-    if unsupported is not None:
-        raise NotImplementedError(
-            f"fsdp1: shard_placement_fn gave Shard({unsupported[1]}) for '{unsupported[0]}'; only Shard(0) (or None) "
-            "is supported yet."
-        )
     return slots
 
 
@@ -287,9 +300,9 @@ def _check_one_dtype(slots: List[ParamSlot]) -> None:
     raise NotImplementedError(f"fsdp1: frozen parameters of another dtype than the rest of their group are not supported yet. {fix}")
 
 
-def _placement_dim(param: nn.Parameter, placement: Optional[Shard], shard_size: int) -> int:
-    """The dim ``shard_placement_fn`` gave ``param`` (None: 0), checked in torch's order with its
-    messages (every parameter is, before a dim fsdp1 does not build yet is refused)."""
+def _placement_dim(param: torch.Tensor, placement: Optional[Shard], shard_size: int) -> int:
+    """The dim ``shard_placement_fn`` gave ``param`` (None: 0; ``param`` is the tensor sharded, a
+    DTensor's local one), checked in torch's order with its messages."""
     if placement is None:
         return 0
     if not isinstance(placement, Shard):

@@ -3,20 +3,30 @@
 a save takes what was assigned since and reads resharded DTensors; a load accepts full tensors too.
 """
 
-from typing import Any, Dict
+from typing import Any, Dict, Protocol
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .._engine.common import TrainingState
-from .._engine.dtensors import RowSharding, viewing
+from .._engine.dtensors import viewing
 from .._engine.flat_param import FlatParamHandle
+from .._engine.layout import ParamLayout
 from .._engine.traversal import is_fsdp_unit, iter_param_slots
 from .._engine.unit_state import state_of
 
 
-def register_fully_shard_hooks(module: nn.Module, handle: FlatParamHandle, sharding: RowSharding) -> None:
+class ShardsFullValues(Protocol):
+    """What the hooks ask of a ``fully_shard`` unit's views: each parameter's global shape, and a
+    plain full value of it as this rank's sharded DTensor."""
+
+    def global_shape(self, index: int) -> torch.Size: ...
+
+    def sharded_of_full(self, index: int, full: torch.Tensor, layout: ParamLayout) -> DTensor: ...
+
+
+def register_fully_shard_hooks(module: nn.Module, handle: FlatParamHandle, sharded: ShardsFullValues) -> None:
     """``state_dict()`` reads the sharded DTensors (a module kept gathered reshards first, as torch's;
     each wrapper is rebuilt so that ``torch.save`` takes it);
     ``load_state_dict()`` copies DTensors into them in place, also takes plain full tensors (each
@@ -38,9 +48,8 @@ def register_fully_shard_hooks(module: nn.Module, handle: FlatParamHandle, shard
         for fqn, index in own:
             key = prefix + fqn
             value = state_dict.get(key)
-            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == layout.shapes[index]:
-                start, end = layout.held_rows(index)
-                state_dict[key] = sharding.dtensor(value[start:end], layout.shapes[index])
+            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.shape == sharded.global_shape(index):
+                state_dict[key] = sharded.sharded_of_full(index, value, layout)
 
     def after_save(module: nn.Module, state_dict: Dict[str, Any], prefix: str, local_metadata: Any) -> None:
         for fqn, _ in own:  # ``state_dict()`` detached them, which gives each wrapper its view's offset
