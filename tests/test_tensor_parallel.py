@@ -244,3 +244,116 @@ def test_dcp_checkpoint_of_fsdp_and_tp_loads_on_another_mesh(tmp_path):
     for same_params, same_optim_state in run_on_ranks(4, _dcp_round_trip, "fsdp1", "fsdp1", str(tmp_path), "dp"):
         assert same_params
         assert same_optim_state
+
+
+# ------------------------------------------------------------------ dp_mesh_dims: parameters that are DTensors on the whole mesh
+class SpmdFeedForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(DIM, HIDDEN)
+        self.down = nn.Linear(HIDDEN, DIM)
+
+    def forward(self, x):
+        return x + self.down(F.relu(self.up(x)))
+
+
+class SpmdModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([SpmdFeedForward(), SpmdFeedForward()])
+        self.head = nn.Linear(DIM, 4)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+SPMD_MESHES = {
+    "dp, tp": ((2, 2), ("dp", "tp"), {"shard": "dp"}),
+    "replicate, shard, tp": ((2, 2, 2), ("replicate", "shard", "tp"), {"shard": "shard", "replicate": "replicate"}),
+    "two shard dims, tp": ((2, 2, 2), ("dp", "cp", "tp"), {"shard": ("dp", "cp")}),
+}
+_MESHES = {}
+
+
+def _spmd_mesh(kind):
+    """One mesh object per kind and process: a DTensor built on an equal mesh later may carry the
+    first one (DTensor caches its specs), which torch's ``fully_shard`` then refuses as another mesh."""
+    if kind not in _MESHES:
+        shape, names, _ = SPMD_MESHES[kind]
+        _MESHES[kind] = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return _MESHES[kind]
+
+
+def _spmd_trained(impl, kind):
+    """The model's parameters distributed over the whole mesh (replicated over the data-parallel
+    dims, the blocks' split over ``tp``), sharded by ``impl``'s ``fully_shard(dp_mesh_dims=...)``,
+    trained 3 steps on inputs split over the data-parallel dims."""
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = _spmd_mesh(kind)
+    dims = (fsdp1.DataParallelMeshDims if impl == "fsdp1" else DataParallelMeshDims)(**SPMD_MESHES[kind][2])
+    data_parallel = [Replicate()] * (mesh.ndim - 1)
+    torch.manual_seed(0)
+    model = SpmdModel()
+    split = {"up.weight": Shard(0), "up.bias": Shard(0), "down.weight": Shard(1)}
+    for name, module in model.named_modules():
+        for attr, param in list(module.named_parameters(recurse=False)):
+            tp = split.get(f"{name.split('.')[-1]}.{attr}", Replicate()) if name.startswith("blocks") else Replicate()
+            setattr(module, attr, nn.Parameter(distribute_tensor(param.detach(), mesh, [*data_parallel, tp])))
+    shard = fully_shard_of(impl)
+    for block in model.blocks:
+        shard(block, mesh=mesh, dp_mesh_dims=dims)
+    shard(model, mesh=mesh, dp_mesh_dims=dims)
+    shown = placements_of(model)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    inputs = [Shard(0)] * (mesh.ndim - 1) + [Replicate()]
+    losses = []
+    for step in range(3):
+        x = distribute_tensor(torch.randn(8, DIM, generator=torch.Generator().manual_seed(step)), mesh, inputs)
+        loss = (model(x) ** 2).mean().full_tensor()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return shown, losses, full_values(model)
+
+
+def _spmd_same_as_torch(kind):
+    return same_values(_spmd_trained("fsdp1", kind), _spmd_trained("torch", kind))
+
+
+@pytest.mark.parametrize("kind", sorted(SPMD_MESHES))
+def test_dp_mesh_dims_trains_as_torchs(kind):
+    """Placements (the data-parallel split where ``Replicate()`` stood, several shard dims shown as
+    their flattened one), losses and parameters."""
+    world_size = 4 if kind == "dp, tp" else 8
+    assert run_on_ranks(world_size, _spmd_same_as_torch, kind) == [True] * world_size
+
+
+def _dp_mesh_dims_refusal(impl, case):
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = _spmd_mesh("dp, tp")
+    dims = fsdp1.DataParallelMeshDims if impl == "fsdp1" else DataParallelMeshDims
+    module = nn.Linear(4, 4)
+    if case != "plain parameter":
+        placements = [Shard(0), Replicate()] if case == "split over dp" else [Replicate(), Replicate()]
+        for attr, param in list(module.named_parameters()):
+            setattr(module, attr, nn.Parameter(distribute_tensor(param.detach(), mesh, placements)))
+    given = {"unknown name": dims(shard="data")}.get(case, dims(shard="dp"))
+    try:
+        fully_shard_of(impl)(module, mesh=mesh, dp_mesh_dims=given)
+    except Exception as error:  # noqa: BLE001 - compared with torch's
+        return type(error).__name__, str(error).split(" fsdp1:")[0]
+    return "no error", ""
+
+
+@pytest.mark.parametrize("case", ["plain parameter", "split over dp", "unknown name"])
+def test_dp_mesh_dims_refuses_what_torchs_refuses(case):
+    ours = run_on_ranks(4, _dp_mesh_dims_refusal, "fsdp1", case)[0]
+    assert ours == run_on_ranks(4, _dp_mesh_dims_refusal, "torch", case)[0]
+    assert ours[0] == "ValueError"

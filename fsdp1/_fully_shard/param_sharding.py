@@ -141,7 +141,7 @@ class DataParallelMesh:
                 f"distribute_module). Got plain tensor for parameter '{fqn}'."
             )
         spec = param._spec
-        if spec.mesh is not mesh:
+        if spec.mesh != mesh:
             raise ValueError(  # torch's phrase
                 "Expected param's DTensor mesh to be the same mesh passed to fully_shard, but got different mesh "
                 f"objects. fsdp1: '{fqn}' is a DTensor on {spec.mesh}; fully_shard was given {mesh}."
