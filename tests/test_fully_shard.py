@@ -115,11 +115,14 @@ def test_what_is_registered_after_forward_and_backward_is_torchs_and_after_evalu
         assert ours[3:] == ["DD", "DD"]
 
 
-def _reshard_onto_two_ranks():
+def _reshard_onto_two_ranks(hsdp):
+    from torch.distributed.device_mesh import init_device_mesh
+
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("replicate", "shard")) if hsdp else None
     seen = []
     for shard in (fsdp1.fully_shard, torchs_fully_shard()):
-        model = shard_gpt(make_gpt(), shard, reshard_after_forward=2)
+        model = shard_gpt(make_gpt(), shard, reshard_after_forward=2, mesh=mesh)
         optim = adam(model.parameters())
         losses, between = [], []
         for step in range(3):
@@ -138,12 +141,14 @@ def _reshard_onto_two_ranks():
     return ours, theirs, ours_between, theirs_between, ours_after, theirs_after, same
 
 
-def test_reshard_after_forward_onto_two_of_four_ranks_is_torchs():
-    for ours, theirs, ours_between, theirs_between, ours_after, theirs_after, same in run_on_ranks(4, _reshard_onto_two_ranks):
+@pytest.mark.parametrize("hsdp", [False, True], ids=["4 ranks", "hsdp 2x4"])
+def test_reshard_after_forward_onto_two_of_four_ranks_is_torchs(hsdp):
+    """On 4 ranks, and on 8 as 2 replicas of 4 shards (HSDP): both keep rows over consecutive pairs."""
+    for ours, theirs, ours_between, theirs_between, ours_after, theirs_after, same in run_on_ranks(8 if hsdp else 4, _reshard_onto_two_ranks, hsdp):
         assert ours == theirs  # bitwise, backward gathering over 2 ranks only
         assert same
-        assert ours_between == theirs_between  # (Replicate(), Shard(0)) on a 2x2 mesh, torch's rows and values
-        assert ours_after == theirs_after  # Shard(0) over 4 ranks again after backward
+        assert ours_between == theirs_between  # (Replicate(), Shard(0)) on a (world / 2, 2) mesh, torch's rows and values
+        assert ours_after == theirs_after  # Shard(0) over the shard ranks again after backward
 
 
 def _late_wait_while_rows_are_kept():

@@ -47,8 +47,9 @@ WARMUP_STEPS = 2
 
 
 class CommBytes(TorchDispatchMode):
-    """Payload bytes per collective kind: all-gather output, reduce-scatter input, all-reduce tensor,
-    and for all-to-all the bytes this rank sends to others."""
+    """Bytes this rank sends, per collective kind, counted over each collective's own group: (n - 1) / n
+    of an all-gather's output or a reduce-scatter's input, twice that of an all-reduce's tensor (ring),
+    and for all-to-all what goes to the other ranks."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -58,16 +59,23 @@ class CommBytes(TorchDispatchMode):
         if func.namespace == "c10d":
             name = func.__name__
             if name.startswith(("_allgather_base_", "allgather_")):
-                self.payload["all_gather"] += _nbytes(args[0])
+                self.payload["all_gather"] += int(_sent_share(args[2]) * _nbytes(args[0]))
             elif name.startswith(("_reduce_scatter_base_", "reduce_scatter_")):
-                self.payload["reduce_scatter"] += _nbytes(args[1])
+                self.payload["reduce_scatter"] += int(_sent_share(args[2]) * _nbytes(args[1]))
             elif name.startswith("allreduce"):
-                self.payload["all_reduce"] += _nbytes(args[0])
+                self.payload["all_reduce"] += int(2 * _sent_share(args[1]) * _nbytes(args[0]))
             elif name.startswith("alltoall_base_"):
-                output, inputs, _, _, input_splits = args[:5]
-                to_self = input_splits[dist.get_rank()] * inputs.element_size() if input_splits else _nbytes(inputs) // dist.get_world_size()
+                output, inputs, group, _, input_splits = args[:5]  # the splits are by rank of the group
+                group = dist.ProcessGroup.unbox(group)
+                to_self = input_splits[group.rank()] * inputs.element_size() if input_splits else _nbytes(inputs) // group.size()
                 self.payload["all_to_all_sent"] += _nbytes(inputs) - to_self
         return func(*args, **(kwargs or {}))
+
+
+def _sent_share(group) -> float:
+    """The share of a collective's full buffer one rank of ``group`` sends: (n - 1) / n."""
+    size = dist.ProcessGroup.unbox(group).size()
+    return (size - 1) / size
 
 
 def _nbytes(obj) -> int:
@@ -193,7 +201,7 @@ def minimum_comm_bytes(name: str, num_params: int, root_params: int, world_size:
     """Fewest bytes a rank must send (= receive) per step for the variant's strategy (fp32; the
     ``bf16`` variants gather 2 bytes a parameter and reduce in fp32)."""
     f = (world_size - 1) / world_size
-    if name.startswith("local"):
+    if name.startswith("local") or name.endswith("_tp"):  # tensor parallelism moves activations too: no bound here
         return 0
     gathered = 2 if "bf16" in name else 4
     if "full" in name or name.endswith("fsdp2"):  # all-gather forward and backward (not the root's), reduce-scatter
@@ -205,14 +213,12 @@ def summarize(raw, size: GPTSize, world_size: int, predicted: Dict[str, Dict[str
     model = size.make_model()
     num_params = sum(p.numel() for p in model.parameters())
     root_params = num_params - sum(p.numel() for p in model.blocks.parameters())
-    f = (world_size - 1) / world_size
     rows = {}
     for name, samples in raw["samples"].items():
         comm = raw["comm"][name]
-        comm_bytes = (f * (comm.get("all_gather", 0) + comm.get("reduce_scatter", 0)) + 2 * f * comm.get("all_reduce", 0)
-                      + comm.get("all_to_all_sent", 0))
+        comm_bytes = sum(comm.values())  # bytes each kind of collective sent, counted over its own group
         minimum = minimum_comm_bytes(name, num_params, root_params, world_size)
-        sharded = name.endswith("fsdp2") or "full" in name or "grad_op" in name
+        sharded = name.endswith(("fsdp2", "fsdp2_tp")) or "full" in name or "grad_op" in name
         row = {
             "wall_ms": statistics.median(s[1] for s in samples) * 1e3,
             "cpu_ms": statistics.median(s[2] for s in samples) * 1e3,

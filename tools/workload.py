@@ -153,6 +153,27 @@ def _fsdp1_fully_shard(model: nn.Module, device: torch.device) -> nn.Module:
     return fsdp1.fully_shard(model)
 
 
+def _tensor_parallel(shard: Callable[..., nn.Module], model: nn.Module, device: torch.device) -> nn.Module:
+    """FSDP + TP on a (world / 2, 2) mesh: each block's MLP column- then row-parallel over ``tp``,
+    then every block and the root sharded over ``dp`` by ``shard`` (fsdp1's or torch's fully_shard)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh_device = "cpu" if device.type == "meta" else device.type  # the memory estimator's dry run: DTensor needs a real device type
+    mesh = init_device_mesh(mesh_device, (torch.distributed.get_world_size() // 2, 2), mesh_dim_names=("dp", "tp"))
+    model.to(device)
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], {"mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()})
+        shard(block, mesh=mesh["dp"])
+    return shard(model, mesh=mesh["dp"])
+
+
+def _torch_fully_shard(*args, **kwargs) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard(*args, **kwargs)
+
+
 def _ddp(model: nn.Module, device: torch.device) -> nn.Module:
     return nn.parallel.DistributedDataParallel(model.to(device))
 
@@ -189,6 +210,8 @@ VARIANTS: Dict[str, Wrapper] = {
     "fsdp1_full_hook": partial(_fsdp1, "FULL_SHARD", False, comm_hook=True),
     "torch_fsdp2": _torch_fsdp2,
     "fsdp1_fsdp2": _fsdp1_fully_shard,
+    "torch_fsdp2_tp": partial(_tensor_parallel, _torch_fully_shard),
+    "fsdp1_fsdp2_tp": partial(_tensor_parallel, fsdp1.fully_shard),
 }
 """Every variant the benchmark measures; ``local`` is the model alone (the compute floor) and
 ``local_aa`` the same again, as the A/A noise control."""
@@ -198,7 +221,7 @@ ANCHOR = {"fsdp1_full": "torch_fsdp1_full", "fsdp1_full_orig": "torch_fsdp1_full
           "fsdp1_hybrid": "torch_fsdp1_hybrid", "fsdp1_frozen_orig": "torch_fsdp1_frozen_orig",
           "fsdp1_full_clip": "torch_fsdp1_full_clip", "fsdp1_full_bf16": "torch_fsdp1_full_bf16",
           "fsdp1_full_offload": "torch_fsdp1_full_offload", "fsdp1_full_hook": "torch_fsdp1_full_hook",
-          "fsdp1_fsdp2": "torch_fsdp2", "local_aa": "local"}
+          "fsdp1_fsdp2": "torch_fsdp2", "fsdp1_fsdp2_tp": "torch_fsdp2_tp", "local_aa": "local"}
 """The variant each one is compared with, round by round."""
 
 CUDA_ONLY = {"torch_fsdp1_full_offload"}

@@ -84,8 +84,6 @@ def fully_shard(
     dp_mesh = DataParallelMesh(mesh, dp_mesh_dims)
     shard_group, replicate_group = dp_mesh.groups
     after_forward, rows_group_size = _reshard_after_forward(reshard_after_forward, comm.group_size(shard_group))
-    if rows_group_size and dp_mesh.replicates:
-        raise NotImplementedError(f"fsdp1: reshard_after_forward={reshard_after_forward} on a 2-D mesh (HSDP) is not supported yet.")
     policy = _mixed_precision_policy(mp_policy)
     offload = _offload_policy(offload_policy)
     ignored = {id(p) for p in ignored_params or ()}
