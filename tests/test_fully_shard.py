@@ -510,3 +510,64 @@ def test_forward_methods_conversions_and_deepcopy_behave_as_torchs():
         assert dtypes == {torch.float64}
         assert loss_dtype == torch.float64
         assert deepcopy_error == "FSDP does not support deepcopy"
+
+
+# ---------------------------------------------------------------------------------------------- custom collectives
+class _RecordedAllGather:
+    """torch's ``AllGather`` interface over ``all_gather_into_tensor``, recording what it is given."""
+
+    def __init__(self):
+        self.calls = []
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.calls.append((tuple(output_tensor.shape), tuple(input_tensor.shape), output_tensor.dtype))
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class _RecordedReduceScatter(_RecordedAllGather):
+    """torch's ``ReduceScatter`` interface over ``reduce_scatter_tensor``."""
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.calls.append((tuple(output_tensor.shape), tuple(input_tensor.shape), output_tensor.dtype))
+        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
+def _trained_with_custom_collectives(impl):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = shard_gpt(make_gpt(), fully_shard_of(impl))
+    gather, reduce = _RecordedAllGather(), _RecordedReduceScatter()
+    for module in (model, *model.blocks):
+        module.set_custom_all_gather(gather)
+        module.set_custom_reduce_scatter(reduce)
+    optim = adam(model.parameters())
+    losses = []
+    for step in range(2):
+        loss = lm_loss(model, *batch(step, rank, world_size))
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return losses, local_shards(model), gather.calls, reduce.calls
+
+
+def _custom_collectives_as_torchs():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # reduce_scatter_tensor's new name
+        ours, theirs = _trained_with_custom_collectives("fsdp1"), _trained_with_custom_collectives("torch")
+    return ours[0] == theirs[0], same_tensors(ours[1], theirs[1]), ours[2] == theirs[2], ours[3] == theirs[3], len(ours[2])
+
+
+def test_custom_all_gather_and_reduce_scatter_are_called_as_torchs():
+    """Every gather and reduction goes through the user's collectives, with torch's buffer sizes and
+    dtypes, and training is bitwise torch's (fsdp1's reduce-scatter is a sum it divides after)."""
+    for same_losses, same_shards, same_gathers, same_reductions, gathers in run_on_ranks(2, _custom_collectives_as_torchs):
+        assert same_losses
+        assert same_shards
+        assert same_gathers
+        assert same_reductions
+        assert gathers == 10  # root and 2 blocks in forward, 2 blocks in backward, 2 steps

@@ -18,7 +18,7 @@ import zlib
 from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Deque, List, NamedTuple, Optional, Protocol, Tuple
+from typing import Any, Callable, Deque, List, NamedTuple, Optional, Protocol, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,26 @@ class Waitable(Protocol):
     communication hook returned for one."""
 
     def wait(self) -> object: ...
+
+class UserAllGather(Protocol):
+    """An all-gather the user supplies (torch's ``AllGather`` of ``set_custom_all_gather``): it
+    allocates the output buffer, and gathers every rank's input into it."""
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor: ...
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: ProcessGroup,
+                 async_op: bool = False) -> Optional[Work]: ...
+
+
+class UserReduceScatter(Protocol):
+    """A reduce-scatter the user supplies (torch's ``ReduceScatter`` of ``set_custom_reduce_scatter``):
+    it allocates the input and output buffers, and reduces the input into each rank's output."""
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor: ...
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: ProcessGroup,
+                 op: Any, async_op: bool = False) -> Optional[Work]: ...
+
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -103,6 +123,30 @@ def all_gather_into(output: torch.Tensor, local_shard: torch.Tensor, group: Proc
         return PairwiseExchange(peer, local_shard, group, "all-gather", about)
     return _issue_async(group, "all-gather", local_shard, about,
                         lambda: _all_gather_single(output, local_shard, group=group, async_op=True))
+
+
+def user_all_gather(gather: UserAllGather, local_shard: torch.Tensor, group: ProcessGroup,
+                    about: Optional[str] = None) -> Tuple[torch.Tensor, "GuardedWork | Finished"]:
+    """The user's all-gather of equal shards into an output it allocates: the output (rank r's
+    shard at ``r * shard.numel()`` once waited for) and the work."""
+    output = gather.allocate((local_shard.numel() * group_size(group),), dtype=local_shard.dtype, device=local_shard.device)
+    work = _issue(group, "all-gather", local_shard, about,
+                  lambda: gather(output_tensor=output, input_tensor=local_shard, group=group, async_op=True))
+    return output, work or Finished()
+
+
+def user_reduce_scatter(reduce: UserReduceScatter, unsharded: torch.Tensor, group: ProcessGroup,
+                        about: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor, "GuardedWork | Finished"]:
+    """The user's reduce-scatter (a sum) of ``unsharded``, copied into an input it allocates: the
+    input, this rank's output (once waited for) and the work."""
+    dtype, device = unsharded.dtype, unsharded.device
+    reduce_input = reduce.allocate((unsharded.numel(),), dtype=dtype, device=device)
+    reduce_input.copy_(unsharded)
+    output = reduce.allocate((unsharded.numel() // group_size(group),), dtype=dtype, device=device)
+    work = _issue(group, "reduce-scatter", reduce_input, about,
+                  lambda: reduce(output_tensor=output, input_tensor=reduce_input, group=group, op=dist.ReduceOp.SUM,
+                                 async_op=True))
+    return reduce_input, output, work or Finished()
 
 
 def reduce_scatter_into(output: torch.Tensor, unsharded: torch.Tensor, group: ProcessGroup,

@@ -101,6 +101,8 @@ class ReduceSettings:
     """Hybrid: False leaves the all-reduce over the replicas to a later backward, which adds the kept sums first."""
     after_reduce: Optional[Callable[[torch.Tensor], None]] = None
     """Called with the reduced shard, after the all-reduce over the replicas (``set_all_reduce_hook``)."""
+    user_reduce_scatter: Optional[comm.UserReduceScatter] = None
+    """Allocates the reduce-scatter's buffers and runs it, as a sum (``set_custom_reduce_scatter``)."""
 
 
 class FlatGrad:
@@ -325,8 +327,12 @@ class FlatGrad:
         pre_divide = self._divide_factors[0]
         if pre_divide > 1:
             grad.div_(pre_divide)
-        if sharded:
-            work: comm.Waitable = comm.reduce_scatter_into(reduced, grad, self._group, self.path)
+        user_reduce_scatter = self.settings.user_reduce_scatter
+        work: comm.Waitable
+        if sharded and user_reduce_scatter is not None:
+            grad, reduced, work = comm.user_reduce_scatter(user_reduce_scatter, grad, self._group, self.path)
+        elif sharded:
+            work = comm.reduce_scatter_into(reduced, grad, self._group, self.path)
         else:
             work = comm.all_reduce(grad, self._group, self.path)
         return GradReduction(self, work, grad, reduced, frees_input=sharded)

@@ -276,6 +276,7 @@ class RowShardLayout(ParamLayout):
         self.unsharded_numel = shard_offset * world_size
         self.flat = FlatLayout(tuple(offsets), tuple(shape.numel() for shape in self.shapes), self.unsharded_numel)
         self._split_along_rows = all(dim == 0 for dim in self.shard_dims)
+        self.user_all_gather: Optional[comm.UserAllGather] = None  # set_custom_all_gather's, which allocates and gathers
         self._plan_split()
 
     def new_unsharded(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -308,6 +309,9 @@ class RowShardLayout(ParamLayout):
         if self.world_size == 1:  # one rank: its shard is the buffer
             alloc_storage(unsharded)
             return comm.all_gather_into(unsharded, shard, group, path)
+        if self.user_all_gather is not None:
+            gathered, work = comm.user_all_gather(self.user_all_gather, shard, group, path)
+            return _CopiedOut(work, self, unsharded, dict(enumerate(gathered.view(self.world_size, self.shard_numel).unbind())))
         if comm.is_gloo_pair(group):  # only the peer's shard travels; each is copied out once
             peer = shard.new_empty(self.shard_numel)
             return _CopiedOut(comm.receive_peer_shard(peer, shard, group, path), self, unsharded, {self.rank: shard, 1 - self.rank: peer})

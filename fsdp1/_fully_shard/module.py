@@ -14,6 +14,7 @@ from torch import nn
 
 from .._engine.common import TrainingState
 from .._engine.flat_param import RESTING
+from .._engine.layout import RowShardLayout
 from .._engine.unit_state import UnitState, state_of
 from .._engine.unshard import summon_full_params
 
@@ -186,10 +187,20 @@ class FSDPModule(nn.Module):
 
     # ----------------------------------------------------------------------------- not supported yet
     def set_custom_all_gather(self, comm: Any) -> None:
-        raise NotImplementedError("fsdp1: set_custom_all_gather (a custom all-gather) is not supported yet.")
+        """This module's parameters are gathered by ``comm`` (torch's ``AllGather``): it allocates the
+        output and gathers each rank's flat shard into it, as under torch's FSDP2."""
+        handle = _state(self).handle
+        if handle is not None:
+            assert isinstance(handle.layout, RowShardLayout), "fully_shard's layout"
+            handle.layout.user_all_gather = comm
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
-        raise NotImplementedError("fsdp1: set_custom_reduce_scatter (a custom reduce-scatter) is not supported yet.")
+        """This module's gradients are reduce-scattered by ``comm`` (torch's ``ReduceScatter``): it
+        allocates the input and the output and reduces, with ``op=SUM`` (fsdp1 divides after; torch's
+        passes ``AVG`` where it takes the mean in the collective)."""
+        handle = _state(self).handle
+        if handle is not None:
+            handle.grad.settings.user_reduce_scatter = comm
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         raise NotImplementedError("fsdp1: set_allocate_memory_from_process_group_for_comm (NCCL buffers) is not supported yet.")
