@@ -273,6 +273,7 @@ SPMD_MESHES = {
     "dp, tp": ((2, 2), ("dp", "tp"), {"shard": "dp"}),
     "replicate, shard, tp": ((2, 2, 2), ("replicate", "shard", "tp"), {"shard": "shard", "replicate": "replicate"}),
     "two shard dims, tp": ((2, 2, 2), ("dp", "cp", "tp"), {"shard": ("dp", "cp")}),
+    "replicas only, tp": ((2, 2), ("dp", "tp"), {"replicate": "dp"}),
 }
 _MESHES = {}
 
@@ -328,8 +329,8 @@ def _spmd_same_as_torch(kind):
 @pytest.mark.parametrize("kind", sorted(SPMD_MESHES))
 def test_dp_mesh_dims_trains_as_torchs(kind):
     """Placements (the data-parallel split where ``Replicate()`` stood, several shard dims shown as
-    their flattened one), losses and parameters."""
-    world_size = 4 if kind == "dp, tp" else 8
+    their flattened one, nothing split over replicas only), losses and parameters."""
+    world_size = 2 ** len(SPMD_MESHES[kind][0])
     assert run_on_ranks(world_size, _spmd_same_as_torch, kind) == [True] * world_size
 
 

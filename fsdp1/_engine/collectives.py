@@ -18,7 +18,7 @@ import zlib
 from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Deque, List, NamedTuple, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Protocol, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -85,6 +85,18 @@ def default_group() -> ProcessGroup:
 def mesh_groups(mesh: DeviceMesh) -> List[ProcessGroup]:
     """The process group of each of ``mesh``'s dimensions, in dimension order."""
     return [mesh.get_group(mesh_dim=dim) for dim in range(mesh.ndim)]
+
+
+_OWN_GROUPS: Dict[ProcessGroup, ProcessGroup] = {}
+
+
+def own_group() -> ProcessGroup:
+    """A group of this rank alone, made once per default group (collective the first time: every
+    rank makes every rank's)."""
+    world = default_group()
+    if world not in _OWN_GROUPS:
+        _OWN_GROUPS[world] = dist.new_subgroups(group_size=1)[0]
+    return _OWN_GROUPS[world]
 
 
 def group_rank(group: ProcessGroup) -> int:

@@ -78,23 +78,24 @@ class ParamSharding:
 class DataParallelMesh:
     """The mesh ``fully_shard`` shards over, as torch's FSDP2 reads its ``mesh`` and
     ``dp_mesh_dims`` arguments: ``mesh`` itself when 1-D (shard) or 2-D (replicate, shard), or the
-    data-parallel dims of a whole SPMD mesh (several names flattened into one dim)."""
+    data-parallel dims of a whole SPMD mesh (several names flattened into one dim; replicate dims
+    alone are the engine's hybrid sharding over shard groups of one rank)."""
 
     def __init__(self, mesh: comm.DeviceMesh, dp_mesh_dims: Optional[DataParallelMeshDims]) -> None:
         self.spmd_mesh: Optional[comm.DeviceMesh] = None
         self.dims = dp_mesh_dims
+        self._groups: Optional[Tuple[comm.ProcessGroup, comm.ProcessGroup]] = None
         if dp_mesh_dims is None:
             self.mesh = mesh
             self.replicates = mesh.ndim == 2
             return
-        if not dp_mesh_dims.shard_names:
-            raise NotImplementedError(
-                "fsdp1: fully_shard(dp_mesh_dims=DataParallelMeshDims(replicate=...)) without shard dims (data "
-                "parallelism by replication alone) is not supported; name a shard dim, or use torch's replicate."
-            )
         self.spmd_mesh = mesh
-        shard_mesh = _submesh(mesh, dp_mesh_dims.shard_names)
         self.replicates = bool(dp_mesh_dims.replicate_names)
+        if not dp_mesh_dims.shard_names:  # replicas only (DDP): every rank a shard group of its own
+            self.mesh = _submesh(mesh, dp_mesh_dims.replicate_names)
+            self._groups = (comm.own_group(), comm.mesh_groups(self.mesh)[0])
+            return
+        shard_mesh = _submesh(mesh, dp_mesh_dims.shard_names)
         if self.replicates:
             replicate_mesh = _submesh(mesh, dp_mesh_dims.replicate_names)
             self.mesh = comm.DeviceMesh._concatenate([replicate_mesh, shard_mesh])
@@ -104,6 +105,8 @@ class DataParallelMesh:
     @property
     def groups(self) -> Tuple[comm.ProcessGroup, Optional[comm.ProcessGroup]]:
         """The shard group, and the replicate group (None without one)."""
+        if self._groups is not None:
+            return self._groups
         groups = comm.mesh_groups(self.mesh)
         return groups[-1], groups[0] if self.replicates else None
 
@@ -163,7 +166,7 @@ class DataParallelMesh:
                 if isinstance(placement, Shard) and placement.dim == shard_dim:
                     split_factor *= mesh.size(later)
             placements[index] = _StridedShard(shard_dim, split_factor=split_factor) if split_factor > 1 else Shard(shard_dim)
-        at_rest = RowSharding(mesh, tuple(placements))
+        at_rest = RowSharding(mesh, tuple(placements))  # replicas only: the placements the parameter had
         if len(shard_dims) > 1:
             at_rest = self._flattened_sharding(placements, shard_dims)
         grad_placements = tuple(Partial() if index in shard_dims + replicate_dims else placement
