@@ -518,9 +518,11 @@ class _RecordedAllGather:
 
     def __init__(self):
         self.calls = []
+        self.allocated = []  # the user's buffers are the user's: fsdp1 must not free them
 
     def allocate(self, size, *, dtype, device):
-        return torch.empty(size, dtype=dtype, device=device)
+        self.allocated.append(torch.empty(size, dtype=dtype, device=device))
+        return self.allocated[-1]
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
         self.calls.append((tuple(output_tensor.shape), tuple(input_tensor.shape), output_tensor.dtype))
@@ -550,7 +552,8 @@ def _trained_with_custom_collectives(impl):
         optim.step()
         optim.zero_grad()
         losses.append(loss.item())
-    return losses, local_shards(model), gather.calls, reduce.calls
+    kept = all(t.untyped_storage().size() == t.numel() * t.element_size() for t in gather.allocated + reduce.allocated)
+    return losses, local_shards(model), gather.calls, reduce.calls, kept
 
 
 def _custom_collectives_as_torchs():
@@ -559,14 +562,15 @@ def _custom_collectives_as_torchs():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # reduce_scatter_tensor's new name
         ours, theirs = _trained_with_custom_collectives("fsdp1"), _trained_with_custom_collectives("torch")
-    return ours[0] == theirs[0], same_tensors(ours[1], theirs[1]), ours[2] == theirs[2], ours[3] == theirs[3], len(ours[2])
+    return ours[0] == theirs[0], same_tensors(ours[1], theirs[1]), ours[2] == theirs[2], ours[3] == theirs[3], len(ours[2]), ours[4]
 
 
 def test_custom_all_gather_and_reduce_scatter_are_called_as_torchs():
     """Every gather and reduction goes through the user's collectives, with torch's buffer sizes and
     dtypes, and training is bitwise torch's (fsdp1's reduce-scatter is a sum it divides after)."""
-    for same_losses, same_shards, same_gathers, same_reductions, gathers in run_on_ranks(2, _custom_collectives_as_torchs):
+    for same_losses, same_shards, same_gathers, same_reductions, gathers, buffers_kept in run_on_ranks(2, _custom_collectives_as_torchs):
         assert same_losses
+        assert buffers_kept
         assert same_shards
         assert same_gathers
         assert same_reductions

@@ -43,6 +43,7 @@ class Waitable(Protocol):
 
     def wait(self) -> object: ...
 
+
 class UserAllGather(Protocol):
     """An all-gather the user supplies (torch's ``AllGather`` of ``set_custom_all_gather``): it
     allocates the output buffer, and gathers every rank's input into it."""

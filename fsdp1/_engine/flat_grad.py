@@ -335,7 +335,7 @@ class FlatGrad:
             work = comm.reduce_scatter_into(reduced, grad, self._group, self.path)
         else:
             work = comm.all_reduce(grad, self._group, self.path)
-        return GradReduction(self, work, grad, reduced, frees_input=sharded)
+        return GradReduction(self, work, grad, reduced, frees_input=sharded and user_reduce_scatter is None)
 
     def add_reduced(self, reduced: torch.Tensor) -> None:
         """A reduction finished: all-reduce it over the replicas (hybrid strategies), keep the span,

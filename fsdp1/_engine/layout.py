@@ -304,7 +304,6 @@ class RowShardLayout(ParamLayout):
             if value is not None:
                 self.local_view(shard, index).copy_(self.held_part(index, value))
 
-
     def all_gather(self, unsharded: torch.Tensor, shard: torch.Tensor, group: comm.ProcessGroup, path: str) -> comm.Waitable:
         if self.world_size == 1:  # one rank: its shard is the buffer
             alloc_storage(unsharded)
