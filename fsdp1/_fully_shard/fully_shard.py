@@ -1,11 +1,12 @@
 """``fully_shard``: torch's FSDP2 API on fsdp1's engine.
 
 ``fully_shard(module)`` makes ``module`` a unit in place: its parameters (minus those of modules
-sharded before it, and ``ignored_params``) go into one ``FlatParamHandle`` whose layout shards every
-parameter along its rows (``RowShardLayout``) and whose views are DTensors over the mesh
-(``DTensorParamViews``); the module holds its own ``UnitState``, so the runtime is the one
-``FullyShardedDataParallel`` units run on; and its class becomes ``FSDP<Class>``, a subclass of both
-``FSDPModule`` and the original class, which carries FSDP2's methods. Modules are sharded bottom-up:
+sharded before it, and ``ignored_params``) go into one ``FlatParamHandle`` whose layout splits every
+parameter along its shard dim (``RowShardLayout``) and whose views are DTensors over the mesh, as
+each parameter's ``ParamSharding`` places them (``DTensorParamViews``); the module holds its own
+``UnitState``, so the runtime is the one ``FullyShardedDataParallel`` units run on; and its class
+becomes ``FSDP<Class>``, a subclass of both ``FSDPModule`` and the original class, which carries
+FSDP2's methods. Modules are sharded bottom-up:
 blocks first, then the root, whose first forward makes it the root of every unit below it.
 """
 
@@ -57,9 +58,12 @@ def fully_shard(
     """Shard ``module``'s parameters (those not in a module sharded before) as one group over
     ``mesh``, in place, and return it: torch's ``fully_shard`` on fsdp1's engine.
 
-    Every parameter becomes a DTensor ``nn.Parameter`` (``Shard(0)``; ``(Replicate(), Shard(0))`` on
-    a 2-D mesh, which shards over its second dimension and all-reduces over its first), gathered
-    around the module's forward and backward, its gradient reduced to this rank's rows.
+    Every parameter becomes a DTensor ``nn.Parameter`` (``Shard(0)``, or the dim
+    ``shard_placement_fn`` gives; after ``Replicate()`` on a 2-D mesh, which shards over its second
+    dimension and all-reduces over its first), gathered around the module's forward and backward, its
+    gradient reduced to this rank's part. A parameter that is a DTensor already (tensor parallelism;
+    on the whole mesh with ``dp_mesh_dims``) is sharded by its local tensor and keeps its placements
+    after the data-parallel ones, as torch's.
     """
     modules = list(module) if isinstance(module, list) else [module]
     if not modules:
