@@ -279,12 +279,13 @@ _MESHES = {}
 
 
 def _spmd_mesh(kind):
-    """One mesh object per kind and process: a DTensor built on an equal mesh later may carry the
-    first one (DTensor caches its specs), which torch's ``fully_shard`` then refuses as another mesh."""
-    if kind not in _MESHES:
-        shape, names, _ = SPMD_MESHES[kind]
-        _MESHES[kind] = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    return _MESHES[kind]
+    """One mesh object per shape and names in a process: a DTensor built on an equal mesh later may
+    carry the first one (DTensor caches its specs), which torch's ``fully_shard`` then refuses as
+    another mesh."""
+    shape, names, _ = SPMD_MESHES[kind]
+    if (shape, names) not in _MESHES:
+        _MESHES[shape, names] = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return _MESHES[shape, names]
 
 
 def _spmd_trained(impl, kind):
