@@ -24,26 +24,38 @@ VOCAB, DIM, HIDDEN = 11, 8, 12
 
 
 class FeedForward(nn.Module):
-    def __init__(self) -> None:
+    """``checkpointed``: its MLP recomputed in backward from inside the sharded module (reentrant or
+    not), as ``checkpoint_wrapper`` or Transformers' gradient checkpointing do."""
+
+    def __init__(self, checkpointed=None) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(DIM)
         self.up = nn.Linear(DIM, HIDDEN)
         self.down = nn.Linear(HIDDEN, DIM)
+        self.checkpointed = checkpointed
 
     def forward(self, x):
-        return x + self.down(F.relu(self.up(self.norm(x))))
+        if self.checkpointed is None:
+            return x + self.mlp(self.norm(x))
+        return x + checkpoint(self.mlp, self.norm(x), use_reentrant=self.checkpointed == "reentrant")
+
+    def mlp(self, x):
+        return self.down(F.relu(self.up(x)))
 
 
 class TensorParallelLM(nn.Module):
     """Embedding, two feed-forward blocks (tensor-parallel: ``up`` column-wise, ``down`` row-wise,
     whose bias stays replicated and gets partial gradients), head."""
 
-    def __init__(self, checkpointed: bool = False) -> None:
+    def __init__(self, checkpointed=None) -> None:
+        """``checkpointed``: "blocks" recomputes each sharded block from outside it; "inside" and
+        "inside, reentrant" recompute each block's MLP from inside it."""
         super().__init__()
         self.emb = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList([FeedForward(), FeedForward()])
+        inside = {"inside": "not reentrant", "inside, reentrant": "reentrant"}.get(checkpointed)
+        self.blocks = nn.ModuleList([FeedForward(inside), FeedForward(inside)])
         self.head = nn.Linear(DIM, VOCAB)
-        self.checkpointed = checkpointed
+        self.checkpointed = checkpointed == "blocks"
 
     def forward(self, idx):
         h = self.emb(idx)
@@ -52,7 +64,7 @@ class TensorParallelLM(nn.Module):
         return self.head(h)
 
 
-def tensor_parallel_model(impl, mesh, dp_mesh, checkpointed=False, **kwargs):
+def tensor_parallel_model(impl, mesh, dp_mesh, checkpointed=None, **kwargs):
     """The model made tensor-parallel over ``mesh["tp"]``, then each block and the root sharded over
     ``dp_mesh`` by ``impl``'s ``fully_shard``."""
     fully_shard = fully_shard_of(impl)
@@ -115,7 +127,8 @@ def _trained(impl, variant):
     kwargs = {"reshard_after_forward": False} if variant == "kept gathered" else {}
     if variant == "bf16":
         kwargs.update(_mp_policy(impl))
-    model = tensor_parallel_model(impl, mesh, dp_mesh, checkpointed=variant == "checkpointed", **kwargs)
+    checkpointed = variant.removeprefix("checkpointed ") if variant.startswith("checkpointed") else None
+    model = tensor_parallel_model(impl, mesh, dp_mesh, checkpointed=checkpointed, **kwargs)
     shown = placements_of(model)
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
     losses, norms = [], []
@@ -138,7 +151,8 @@ def _same_as_torch(variant):
     return same_values(_trained("fsdp1", variant), _trained("torch", variant))
 
 
-@pytest.mark.parametrize("variant", ["resharded", "kept gathered", "bf16", "accumulated", "clipped", "checkpointed"])
+@pytest.mark.parametrize("variant", ["resharded", "kept gathered", "bf16", "accumulated", "clipped", "checkpointed blocks",
+                                     "checkpointed inside", "checkpointed inside, reentrant"])
 def test_fsdp_over_tensor_parallel_trains_as_torchs(variant):
     assert run_on_ranks(4, _same_as_torch, variant) == [True] * 4
 
@@ -248,19 +262,23 @@ def test_dcp_checkpoint_of_fsdp_and_tp_loads_on_another_mesh(tmp_path):
 
 # ------------------------------------------------------------------ dp_mesh_dims: parameters that are DTensors on the whole mesh
 class SpmdFeedForward(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, checkpointed) -> None:
         super().__init__()
         self.up = nn.Linear(DIM, HIDDEN)
         self.down = nn.Linear(HIDDEN, DIM)
+        self.checkpointed = checkpointed
 
     def forward(self, x):
-        return x + self.down(F.relu(self.up(x)))
+        return x + (checkpoint(self.mlp, x, use_reentrant=False) if self.checkpointed else self.mlp(x))
+
+    def mlp(self, x):
+        return self.down(F.relu(self.up(x)))
 
 
 class SpmdModel(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, checkpointed=False) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList([SpmdFeedForward(), SpmdFeedForward()])
+        self.blocks = nn.ModuleList([SpmdFeedForward(checkpointed), SpmdFeedForward(checkpointed)])
         self.head = nn.Linear(DIM, 4)
 
     def forward(self, x):
@@ -274,6 +292,8 @@ SPMD_MESHES = {
     "replicate, shard, tp": ((2, 2, 2), ("replicate", "shard", "tp"), {"shard": "shard", "replicate": "replicate"}),
     "two shard dims, tp": ((2, 2, 2), ("dp", "cp", "tp"), {"shard": ("dp", "cp")}),
     "replicas only, tp": ((2, 2), ("dp", "tp"), {"replicate": "dp"}),
+    "dp, tp, inputs whole over dp": ((2, 2), ("dp", "tp"), {"shard": "dp"}),  # gradients whole over dp, not partial
+    "dp, tp, checkpointed inside": ((2, 2), ("dp", "tp"), {"shard": "dp"}),
 }
 _MESHES = {}
 
@@ -299,7 +319,7 @@ def _spmd_trained(impl, kind):
     dims = (fsdp1.DataParallelMeshDims if impl == "fsdp1" else DataParallelMeshDims)(**SPMD_MESHES[kind][2])
     data_parallel = [Replicate()] * (mesh.ndim - 1)
     torch.manual_seed(0)
-    model = SpmdModel()
+    model = SpmdModel(checkpointed=kind.endswith("checkpointed inside"))
     split = {"up.weight": Shard(0), "up.bias": Shard(0), "down.weight": Shard(1)}
     for name, module in model.named_modules():
         for attr, param in list(module.named_parameters(recurse=False)):
@@ -311,7 +331,7 @@ def _spmd_trained(impl, kind):
     shard(model, mesh=mesh, dp_mesh_dims=dims)
     shown = placements_of(model)
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
-    inputs = [Shard(0)] * (mesh.ndim - 1) + [Replicate()]
+    inputs = [Replicate() if kind.endswith("inputs whole over dp") else Shard(0)] * (mesh.ndim - 1) + [Replicate()]
     losses = []
     for step in range(3):
         x = distribute_tensor(torch.randn(8, DIM, generator=torch.Generator().manual_seed(step)), mesh, inputs)
@@ -347,15 +367,46 @@ def _dp_mesh_dims_refusal(impl, case):
         for attr, param in list(module.named_parameters()):
             setattr(module, attr, nn.Parameter(distribute_tensor(param.detach(), mesh, placements)))
     given = {"unknown name": dims(shard="data")}.get(case, dims(shard="dp"))
+    kwargs = {"reshard_after_forward": 2} if case == "int reshard_after_forward" else {}
     try:
-        fully_shard_of(impl)(module, mesh=mesh, dp_mesh_dims=given)
+        fully_shard_of(impl)(module, mesh=mesh, dp_mesh_dims=given, **kwargs)
     except Exception as error:  # noqa: BLE001 - compared with torch's
-        return type(error).__name__, str(error).split(" fsdp1:")[0]
+        return type(error).__name__, str(error).split(" fsdp1:")[0].rstrip(".")
     return "no error", ""
 
 
-@pytest.mark.parametrize("case", ["plain parameter", "split over dp", "unknown name"])
-def test_dp_mesh_dims_refuses_what_torchs_refuses(case):
+@pytest.mark.parametrize("case, kind", [("plain parameter", "ValueError"), ("split over dp", "ValueError"),
+                                        ("unknown name", "ValueError"), ("int reshard_after_forward", "NotImplementedError")])
+def test_dp_mesh_dims_refuses_what_torchs_refuses(case, kind):
     ours = run_on_ranks(4, _dp_mesh_dims_refusal, "fsdp1", case)[0]
     assert ours == run_on_ranks(4, _dp_mesh_dims_refusal, "torch", case)[0]
-    assert ours[0] == "ValueError"
+    assert ours[0] == kind
+
+
+def _refused_tensor_parallel(impl, case):
+    """What a build and its first step raise (torch's refuses some at the first forward)."""
+    from torch.distributed.tensor import Partial, Shard, distribute_tensor
+
+    mesh = _dp_tp_mesh()
+    module = nn.Linear(4, 4)
+    kwargs = {}
+    if case == "partial placement":  # values that are not whole on any rank
+        module.weight = nn.Parameter(distribute_tensor(module.weight.detach(), mesh["tp"], [Partial()]))
+    else:
+        kwargs["shard_placement_fn"] = lambda param: Shard(-3)
+    try:
+        model = fully_shard_of(impl)(module, mesh=mesh["dp"], **kwargs)
+        model(torch.randn(2, 4)).sum().backward()
+    except Exception as error:  # noqa: BLE001 - compared with torch's
+        return type(error).__name__, str(error)
+    return "no error", ""
+
+
+@pytest.mark.parametrize("case", ["partial placement", "negative dim out of range"])
+def test_what_torch_cannot_shard_is_refused_at_fully_shard(case):
+    """A tensor-parallel parameter with a partial placement (torch's fails at the first forward; fsdp1
+    trained it wrong) and a ``Shard`` dim below ``-ndim`` (fsdp1 raised an ``IndexError``)."""
+    ours = run_on_ranks(4, _refused_tensor_parallel, "fsdp1", case)[0]
+    theirs = run_on_ranks(4, _refused_tensor_parallel, "torch", case)[0]
+    assert ours[0] == theirs[0]
+    assert "fsdp1: " in ours[1]  # names the parameter and the fix

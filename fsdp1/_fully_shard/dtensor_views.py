@@ -47,6 +47,7 @@ class DTensorParamViews(OrigParamViews):
         self._installed: Optional[List[torch.Tensor]] = None  # what install() registered; None: the DTensors
         self._awaiting_values: Set[int] = set()  # materialised off the meta device for others, never given values
         self._member_paths: Dict[int, str] = {}  # a group of several modules: each one's modules' path, by id
+        self._made_for_compute: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # by parameter: (view, its DTensor)
 
     def install_initial(self, flat_param: nn.Parameter, shard: torch.Tensor, unsharded: torch.Tensor, layout: ParamLayout) -> None:
         for index, (slot, view) in enumerate(zip(self.slots, layout.local_views(shard))):
@@ -116,9 +117,22 @@ class DTensorParamViews(OrigParamViews):
     def install(self, tensors: Sequence[torch.Tensor], as_parameters: bool, through_setattr: bool = False) -> None:
         """A forward's views become what the module computes on (tensor-parallel DTensors over them,
         under autograd, for parameters that were DTensors); DTensors are registered as they are."""
-        tensors = [tensor if isinstance(tensor, DTensor) else sharding.for_compute(tensor)
-                   for sharding, tensor in zip(self.shardings, tensors)]
-        super().install(tensors, as_parameters, through_setattr)
+        super().install([self._computing(index, tensor) for index, tensor in enumerate(tensors)], as_parameters, through_setattr)
+        # what the modules hold now (a frozen parameter's view was detached on the way in)
+        self._installed = [cast(torch.Tensor, slot.module._parameters[slot.attr]) for slot in self.slots]
+
+    def _computing(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
+        """What the module computes on for ``tensor``, a view the forward tied to autograd. The same
+        view installed again (backward, for activation checkpointing's recomputation) gets the same
+        DTensor the forward made: one made now, in backward, would be made without grad, so a
+        recomputation would save other tensors than the forward did and compute no gradient."""
+        if isinstance(tensor, DTensor) or self.shardings[index].computing is None:
+            return tensor
+        made = self._made_for_compute.get(index)
+        if made is None or made[0] is not tensor:
+            made = (tensor, self.shardings[index].for_compute(tensor))
+            self._made_for_compute[index] = made
+        return made[1]
         # what the modules hold now (a frozen parameter's view was detached on the way in)
         self._installed = [cast(torch.Tensor, slot.module._parameters[slot.attr]) for slot in self.slots]
 

@@ -95,6 +95,11 @@ def fully_shard(
     shardings: Dict[int, ParamSharding] = {}
     for each in modules:
         slots += _managed_slots(each, ignored, shard_placement_fn, dp_mesh, shardings)
+    if dp_mesh_dims is not None and type(reshard_after_forward) is int:
+        raise NotImplementedError(  # torch's phrase
+            "reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims). fsdp1: pass True or "
+            "False with dp_mesh_dims."
+        )
     if rows_group_size and any(sharding.computing is not None for sharding in shardings.values()):
         raise NotImplementedError(  # torch's phrase, raised at its first forward
             "Resharding to smaller mesh is not supported for DTensor parameters yet. fsdp1: "
@@ -264,6 +269,12 @@ def _managed_slots(module: nn.Module, ignored_ids: Set[int], placement_fn: Optio
         if param.dim() == 0:
             raise ValueError(f"fully_shard doesn't support scalar parameters. Change {slot.fqn} to a 1D tensor with numel equal to 1.")
         local = param._local_tensor if isinstance(param, DTensor) else param
+        if isinstance(param, DTensor) and any(placement.is_partial() for placement in param.placements):
+            raise RuntimeError(  # torch's type; it raises at the first forward ("Can not redistribute from R to P")
+                f"fsdp1: parameter '{slot.fqn}' is a DTensor with a partial placement {tuple(param.placements)}: its "
+                "values are not whole on any rank, so FSDP cannot shard and gather them (torch's fully_shard fails at "
+                "the first forward). Redistribute it to Replicate() (param.redistribute(placements=...)) first."
+            )
         if hasattr(local, "fsdp_pre_all_gather"):
             raise NotImplementedError(
                 f"fsdp1: parameter '{slot.fqn}' is a {type(local).__name__} that defines fsdp_pre_all_gather (an "
@@ -278,7 +289,7 @@ def _managed_slots(module: nn.Module, ignored_ids: Set[int], placement_fn: Optio
                 f"make '{slot.fqn}' contiguous before fully_shard (e.g. a channels_last convolution's weight: "
                 "convert the module to channels_last after sharding, or not at all)."
             )
-        dim = _placement_dim(local, placement_fn(param) if placement_fn is not None else None, shard_size)
+        dim = _placement_dim(local, placement_fn(param) if placement_fn is not None else None, shard_size, slot.fqn)
         if id(param) not in shardings:
             shardings[id(param)] = dp_mesh.sharding_of(param, dim, slot.fqn)
         slots.append(slot)
@@ -302,7 +313,7 @@ def _check_one_dtype(slots: List[ParamSlot]) -> None:
     raise NotImplementedError(f"fsdp1: frozen parameters of another dtype than the rest of their group are not supported yet. {fix}")
 
 
-def _placement_dim(param: torch.Tensor, placement: Optional[Shard], shard_size: int) -> int:
+def _placement_dim(param: torch.Tensor, placement: Optional[Shard], shard_size: int, fqn: str) -> int:
     """The dim ``shard_placement_fn`` gave ``param`` (None: 0; ``param`` is the tensor sharded, a
     DTensor's local one), checked in torch's order with its messages."""
     if placement is None:
@@ -310,11 +321,16 @@ def _placement_dim(param: torch.Tensor, placement: Optional[Shard], shard_size: 
     if not isinstance(placement, Shard):
         raise ValueError(f"Invalid shard_placement_fn result: {placement}")  # torch's
     dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
-    if dim >= param.dim():
-        raise AssertionError(f"Shard dim {dim} is invalid for {param.dim()}D tensor: {param.shape}")  # torch's
+    if not 0 <= dim < param.dim():
+        raise AssertionError(  # torch's phrase
+            f"Shard dim {dim} is invalid for {param.dim()}D tensor: {param.shape}. fsdp1: shard_placement_fn gave "
+            f"{placement} for '{fqn}'; give a dim in [-{param.dim()}, {param.dim()})."
+        )
     if dim > 0 and param.shape[dim] % shard_size != 0:
         raise NotImplementedError(  # torch's phrase
-            f"FSDP does not support uneven sharding on dim {dim}: {param.shape} (world size: {shard_size})"
+            f"FSDP does not support uneven sharding on dim {dim}: {param.shape} (world size: {shard_size}). fsdp1: "
+            f"'{fqn}' (its local tensor, for a DTensor) does not split evenly over the {shard_size} shard ranks along "
+            f"dim {dim}; give it Shard(0), or a dim whose size {shard_size} divides."
         )
     return dim
 

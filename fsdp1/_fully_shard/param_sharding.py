@@ -12,15 +12,15 @@ already splits that dim, since the data-parallel split is taken of each tensor-p
 """
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple, cast
+from typing import Any, List, Optional, Sequence, Tuple, cast
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .._engine import collectives as comm
-from .._engine.dtensors import RowSharding, contiguous_stride
+from .._engine.dtensors import RowSharding
 from ..api import DataParallelMeshDims
 
 
@@ -28,15 +28,16 @@ from ..api import DataParallelMeshDims
 class ParamSharding:
     """One parameter's DTensors: ``at_rest`` over ``shape`` (the global shape) viewing this rank's
     part of the shard, and ``computing`` (None: plain tensors) over the unsharded ``local_shape``
-    tensor a gather fills. ``grad_placements`` are what a forward's gradient is redistributed to
-    before the reduction (None: the computing placements, with partial sums made whole)."""
+    tensor a gather fills. A forward's gradient is redistributed to the computing placements before
+    the reduction, except on ``kept_dims`` (a whole-mesh parameter's data-parallel dims, whose
+    partial sums the reduction adds up), as torch's FSDP2 takes gradients."""
 
     shape: torch.Size
     local_shape: torch.Size
     shard_dim: int
     at_rest: RowSharding
     computing: Optional[RowSharding] = None
-    grad_placements: Optional[Tuple[Placement, ...]] = None
+    kept_dims: Tuple[int, ...] = ()
 
     def parameter(self, local: torch.Tensor, requires_grad: bool) -> nn.Parameter:
         return self.at_rest.parameter(local, self.shape, requires_grad)
@@ -46,12 +47,10 @@ class ParamSharding:
 
     def for_compute(self, unsharded: torch.Tensor) -> torch.Tensor:
         """The tensor the module computes on, of a view of the gathered buffer; under autograd the
-        gradient flows back to the view, redistributed to ``grad_placements``."""
+        gradient flows back to the view."""
         if self.computing is None:
             return unsharded
-        return DTensor.from_local(unsharded, self.computing.mesh, self.computing.placements, run_check=False,
-                                  shape=self.shape, stride=contiguous_stride(self.shape),
-                                  grad_placements=self.grad_placements)
+        return _ComputingDTensor.apply(unsharded, self.computing.dtensor(unsharded, self.shape)._spec, self.kept_dims)
 
     def shown_unsharded(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` (a view of the gathered buffer, or a gradient laid out as one) as the module
@@ -73,6 +72,30 @@ class ParamSharding:
             return full
         return distribute_tensor(full.detach(), self.computing.mesh, list(self.computing.placements),
                                  src_data_rank=None).to_local()
+
+
+class _ComputingDTensor(torch.autograd.Function):
+    """A view of the gathered buffer as the DTensor of ``spec`` the module computes on. Backward
+    hands the view the gradient's local tensor, redistributed to ``spec``'s placements on every dim
+    but ``kept_dims``, where it keeps what it came with (torch's FSDP2 reduces those partial sums in
+    its reduce-scatter; a gradient that is whole there is reduced as it is)."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, spec: Any, kept_dims: Tuple[int, ...]) -> DTensor:
+        ctx.spec, ctx.kept_dims = spec, kept_dims
+        return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None]:
+        if not isinstance(grad, DTensor):
+            return grad, None, None
+        wanted = tuple(grad.placements[dim] if dim in ctx.kept_dims else placement
+                       for dim, placement in enumerate(ctx.spec.placements))
+        if tuple(grad.placements) != wanted:
+            grad = grad.redistribute(placements=wanted)
+        local = grad._local_tensor
+        wait = getattr(local, "wait", None)  # a redistribution's result may still be in flight
+        return (wait() if callable(wait) else local), None, None
 
 
 class DataParallelMesh:
@@ -169,10 +192,9 @@ class DataParallelMesh:
         at_rest = RowSharding(mesh, tuple(placements))  # replicas only: the placements the parameter had
         if len(shard_dims) > 1:
             at_rest = self._flattened_sharding(placements, shard_dims)
-        grad_placements = tuple(Partial() if index in shard_dims + replicate_dims else placement
-                                for index, placement in enumerate(spec.placements))
         return ParamSharding(param.shape, param._local_tensor.shape, shard_dim, at_rest,
-                             computing=RowSharding(mesh, tuple(spec.placements)), grad_placements=grad_placements)
+                             computing=RowSharding(mesh, tuple(spec.placements)),
+                             kept_dims=tuple(sorted(shard_dims + replicate_dims)))
 
     def _flattened_sharding(self, placements: Sequence[Placement], shard_dims: Sequence[int]) -> RowSharding:
         """Several data-parallel shard dims show as one, the flattened mesh's, where the first of them
