@@ -19,9 +19,11 @@ setup(
         # model families, built from small configs in memory; accelerate, lightning and peft: the
         # clients' own code runs against fsdp1 (pinned: the versions the tests were run with). hypothesis:
         # the fuzzer (tests/test_fuzz.py). ruff: the linter `make test` runs first (pinned: rules change).
-        # mypy: the type checker of the package, configured in mypy.ini (pinned: checks change).
+        # mypy: the type checker of the package, configured in mypy.ini (pinned: checks change). torchao:
+        # a real all-gather extension (its int8 training weights), which runs on CPU.
         "test": ["pytest>=7", "expecttest>=0.2", "numpy", "transformers==5.23.0", "accelerate==1.15.0",
-                 "lightning==2.6.6", "peft==0.21.0", "hypothesis>=6.100", "ruff==0.17.6", "mypy==2.4.1"],
+                 "lightning==2.6.6", "peft==0.21.0", "hypothesis>=6.100", "ruff==0.17.6", "mypy==2.4.1",
+                 "torchao==0.18.0"],
         "examples": ["tqdm", "matplotlib", "safetensors"],
     },
 )

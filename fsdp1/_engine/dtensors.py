@@ -45,7 +45,7 @@ class RowSharding:
         return param
 
     def _stand_in(self, local: torch.Tensor, shape: torch.Size) -> DTensor:
-        return DTensor.from_local(local.new_empty(0), self.mesh, self.placements, run_check=False, shape=shape,
+        return DTensor.from_local(_empty_like(local), self.mesh, self.placements, run_check=False, shape=shape,
                                   stride=contiguous_stride(shape))
 
 
@@ -54,6 +54,12 @@ def viewing(local: torch.Tensor, spec: "DTensorSpec") -> DTensor:
     wrapper takes the storage offset of the tensor it is built on, and ``torch.save`` (and
     ``deepcopy``) cannot handle a wrapper with a nonzero offset, which a view of the shard past its
     first element would give it."""
-    dtensor = DTensor(local.new_empty(0), spec, requires_grad=False)
+    dtensor = DTensor(_empty_like(local), spec, requires_grad=False)
     dtensor._local_tensor = local
     return dtensor
+
+
+def _empty_like(local: torch.Tensor) -> torch.Tensor:
+    """An empty plain tensor of ``local``'s dtype and device (``local`` may be a tensor subclass
+    whose own operations do not make one)."""
+    return torch.empty(0, dtype=local.dtype, device=local.device)

@@ -17,11 +17,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .._engine.dtensors import viewing
 from .._engine.layout import ParamLayout
 from .._engine.orig_views import OrigParamViews
 from .._engine.traversal import ParamSlot
 from .._engine.views import FLATTENED
+from .extensions import ExtensionGather, GatherContext, has_extension
 from .param_sharding import ParamSharding
 
 
@@ -29,9 +29,13 @@ class DTensorParamViews(OrigParamViews):
     """fully_shard: DTensor parameters at rest, viewing the shard; the forward's plain views while
     the unit is gathered."""
 
-    def __init__(self, slots: Sequence[ParamSlot], owner: nn.Module, shardings: Dict[int, ParamSharding]) -> None:
-        """``shardings``: each parameter's, by the id of the parameter."""
+    def __init__(self, slots: Sequence[ParamSlot], owner: nn.Module, shardings: Dict[int, ParamSharding],
+                 gather_context: GatherContext) -> None:
+        """``shardings``: each parameter's, by the id of the parameter; ``gather_context``: what
+        all-gather extensions are given."""
         super().__init__(slots, owner)
+        self._gather_context = gather_context
+        self._extensions: Dict[int, ExtensionGather] = {}  # by parameter, for those gathered by their extension
         self.shardings = [shardings[id(slot.live_param)] for slot in self.slots]
         self.shapes = tuple(sharding.local_shape for sharding in self.shardings)  # what the layout splits
         # The optimizer's gradient is held by the .grad DTensors alone (their local tensors view it),
@@ -50,9 +54,14 @@ class DTensorParamViews(OrigParamViews):
         self._made_for_compute: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # by parameter: (view, its DTensor)
 
     def install_initial(self, flat_param: nn.Parameter, shard: torch.Tensor, unsharded: torch.Tensor, layout: ParamLayout) -> None:
+        """Each original becomes a DTensor viewing its part of the shard; one whose tensor defines an
+        all-gather extension keeps its values in its own tensor, sharded as torch's shards it."""
         for index, (slot, view) in enumerate(zip(self.slots, layout.local_views(shard))):
             self.replaced[id(slot.live_param)] = (weakref.ref(slot.live_param), slot.module, slot.attr)
             setattr(slot.live_param, FLATTENED, True)
+            local = self.shardings[index].local_of_computing(slot.live_param)
+            if has_extension(local):
+                view = _sharded_part(local.detach(), layout, index)
             self._replace_param(index, self.shardings[index].parameter(view, slot.live_param.requires_grad))
         self._resting_views = [_local_of(param) for param in self.orig_params()]
         self._manage()
@@ -63,6 +72,8 @@ class DTensorParamViews(OrigParamViews):
         and on its device."""
         for slot, view, sharding in zip(self.slots, layout.local_views(shard), self.shardings):
             param = slot.live_param
+            if has_extension(_local_of(param)):  # its values are in its own tensor, not in the shard
+                continue
             if param.is_meta and not view.is_meta:  # to_empty(): swapped, as nn.Module swaps DTensors
                 fqn = self._managed_params.pop(id(param))[1]  # swap_tensors refuses weakly held tensors
                 torch.utils.swap_tensors(param, sharding.parameter(view, param.requires_grad))
@@ -112,7 +123,11 @@ class DTensorParamViews(OrigParamViews):
         return (module, attr) if ref is not None and module is not None and ref() is param else None
 
     def initial_values(self) -> List[torch.Tensor]:
-        return [sharding.local_of_computing(param) for sharding, param in zip(self.shardings, self.orig_params())]
+        """The local tensors; zeros for one gathered by its extension, whose place in the shard only
+        takes its gradient."""
+        values = [sharding.local_of_computing(param) for sharding, param in zip(self.shardings, self.orig_params())]
+        return [torch.zeros(value.shape, dtype=value.dtype, device=value.device) if has_extension(value) else value
+                for value in values]
 
     def install(self, tensors: Sequence[torch.Tensor], as_parameters: bool, through_setattr: bool = False) -> None:
         """A forward's views become what the module computes on (tensor-parallel DTensors over them,
@@ -126,6 +141,9 @@ class DTensorParamViews(OrigParamViews):
         view installed again (backward, for activation checkpointing's recomputation) gets the same
         DTensor the forward made: one made now, in backward, would be made without grad, so a
         recomputation would save other tensors than the forward did and compute no gradient."""
+        extension = self._extension(index)
+        if extension is not None:
+            return extension.computing(tensor)
         if isinstance(tensor, DTensor) or self.shardings[index].computing is None:
             return tensor
         made = self._made_for_compute.get(index)
@@ -135,6 +153,24 @@ class DTensorParamViews(OrigParamViews):
         return made[1]
         # what the modules hold now (a frozen parameter's view was detached on the way in)
         self._installed = [cast(torch.Tensor, slot.module._parameters[slot.attr]) for slot in self.slots]
+
+    def _extension(self, index: int) -> Optional[ExtensionGather]:
+        """The gathers of parameter ``index`` if its local tensor defines an all-gather extension
+        (asked at every gather: torch's tests set one on a local tensor after ``fully_shard``)."""
+        local = self._resting_views[index]
+        if not has_extension(local):
+            self._extensions.pop(index, None)
+            return None
+        extension = self._extensions.get(index)
+        if extension is None or extension.local is not local:
+            extension = ExtensionGather(local, self.shapes[index], self.slots[index].module, self._gather_context)
+            self._extensions[index] = extension
+        return extension
+
+    def show_sharded(self, shard: torch.Tensor, layout: ParamLayout) -> None:
+        for extension in self._extensions.values():
+            extension.free()
+        super().show_sharded(shard, layout)
 
     def _show_originals(self) -> None:
         super()._show_originals()
@@ -310,6 +346,20 @@ class DTensorParamViews(OrigParamViews):
         pass  # the values were written back; the originals stay the DTensors the optimizer holds
 
 
+def _sharded_part(value: torch.Tensor, layout: ParamLayout, index: int) -> torch.Tensor:
+    """This rank's part of ``value`` as torch's FSDP2 makes it for a tensor of its own (a subclass's
+    operations do the work): a zero tensor of the padded chunk's size, the held slices copied in,
+    viewed without the padding."""
+    dim = layout.shard_dims[index]
+    start, end = layout.held_rows(index)
+    padded = list(value.shape)
+    padded[dim] = -(-value.shape[dim] // layout.world_size)
+    part = value.new_zeros(padded)
+    if end > start:
+        part.narrow(dim, 0, end - start).copy_(value.narrow(dim, start, end - start))
+    return part.narrow(dim, 0, end - start)
+
+
 def _local_of(param: torch.Tensor) -> torch.Tensor:
     """A DTensor Parameter's local tensor: the view of the shard it was built on."""
     assert isinstance(param, DTensor), "fully_shard's parameters at rest are DTensors"
@@ -319,8 +369,10 @@ def _local_of(param: torch.Tensor) -> torch.Tensor:
 def _grad_of(param: nn.Parameter, local: torch.Tensor) -> DTensor:
     """A gradient for ``param`` with ``local`` as its local tensor: the parameter's placement, shape
     and dtype, built directly (``from_local`` costs an autograd function and a new spec per call,
-    which was a third of the step's Python time)."""
-    return viewing(local, cast(DTensor, param)._spec)
+    which was a third of the step's Python time). Built on ``local`` itself, as ``from_local``
+    builds, so that ``torch.compile`` can trace it (a compiled optimizer step: torchao's); one built
+    on a stand-in, as the parameters are for ``torch.save``, fails there."""
+    return DTensor(local.view_as(local), cast(DTensor, param)._spec, requires_grad=False)
 
 
 def _point(param: nn.Parameter, like: DTensor) -> None:

@@ -39,6 +39,7 @@ from ..api import (
     OffloadPolicy,
 )
 from .dtensor_views import DTensorParamViews
+from .extensions import GatherContext, has_extension
 from .module import FSDPModule, _fsdp_class
 from .param_sharding import DataParallelMesh, ParamSharding
 from .post_forward import PostForwardRows
@@ -111,7 +112,8 @@ def fully_shard(
     if slots:
         precision = HandlePrecision(slots[0].live_param.dtype, policy.param_dtype, policy.reduce_dtype,
                                     accumulates_in_reduce_dtype=True)
-        views = DTensorParamViews(slots, modules[0], shardings)
+        context = GatherContext(dp_mesh.shard_mesh, policy, policy.param_dtype)
+        views = DTensorParamViews(slots, modules[0], shardings, context)
         layout = RowShardLayout(views.shapes, comm.group_rank(shard_group), comm.group_size(shard_group),
                                 shard_dims=[sharding.shard_dim for sharding in views.shardings])
         # torch's FSDP2 averages with ReduceOp.AVG (sum, then divide) outside fp16: one division of the
@@ -247,9 +249,8 @@ def _managed_slots(module: nn.Module, ignored_ids: Set[int], placement_fn: Optio
                    dp_mesh: DataParallelMesh, shardings: Dict[int, ParamSharding]) -> List[ParamSlot]:
     """The registrations of the parameters this group shards: ``module``'s, minus those of modules
     sharded before it and the ignored ones; each parameter's ``ParamSharding`` goes into
-    ``shardings``. Refused: a scalar, a parameter that defines an all-gather extension, a parameter
-    tied to one another group manages (which would split one weight over two groups), and what
-    torch's refuses of placements and meshes."""
+    ``shardings``. Refused: a scalar, a parameter tied to one another group manages (which would
+    split one weight over two groups), and what torch's refuses of placements and meshes."""
     sharded_elsewhere = _sharded_elsewhere(module)
     shard_size = comm.group_size(dp_mesh.groups[0])
     slots = []
@@ -275,13 +276,11 @@ def _managed_slots(module: nn.Module, ignored_ids: Set[int], placement_fn: Optio
                 "values are not whole on any rank, so FSDP cannot shard and gather them (torch's fully_shard fails at "
                 "the first forward). Redistribute it to Replicate() (param.redistribute(placements=...)) first."
             )
-        if hasattr(local, "fsdp_pre_all_gather"):
+        if has_extension(local) and dp_mesh.shard_mesh is None:
             raise NotImplementedError(
-                f"fsdp1: parameter '{slot.fqn}' is a {type(local).__name__} that defines fsdp_pre_all_gather (an "
-                "all-gather extension, as torchao's float8 and int8 training weights define); fsdp1's fully_shard "
-                "does not support all-gather extensions yet, and sharding it as a plain tensor would train its "
-                "plain values without the subclass. Shard this model with torch's fully_shard, or keep the parameter "
-                "out of the group (ignored_params)."
+                f"fsdp1: parameter '{slot.fqn}' is a {type(local).__name__} that defines an all-gather extension, "
+                "which fully_shard gathers over the shard dim of the mesh; dp_mesh_dims with replicate dims alone has "
+                "none. Name a shard dim in dp_mesh_dims."
             )
         if not local.is_contiguous():
             raise NotImplementedError(  # torch's type and phrase

@@ -126,6 +126,14 @@ class DataParallelMesh:
             self.mesh = shard_mesh
 
     @property
+    def shard_mesh(self) -> Optional[comm.DeviceMesh]:
+        """The 1-D mesh of the shard group, which all-gather extensions are given (None: replicas only,
+        where every rank is a shard group of its own)."""
+        if self._groups is not None:
+            return None
+        return self.mesh if self.mesh.ndim == 1 else self.mesh[cast(Tuple[str, ...], self.mesh.mesh_dim_names)[-1]]
+
+    @property
     def groups(self) -> Tuple[comm.ProcessGroup, Optional[comm.ProcessGroup]]:
         """The shard group, and the replicate group (None without one)."""
         if self._groups is not None:

@@ -1,0 +1,132 @@
+"""All-gather extensions: a parameter whose local tensor defines ``fsdp_pre_all_gather`` and
+``fsdp_post_all_gather`` (torchao's float8 and int8 training weights, or hooks set on a local tensor
+after ``fully_shard``) is gathered through them, with torch's FSDP2 signatures and call pattern.
+
+Such a parameter's values live in its own local tensor (a tensor subclass the optimizer steps), not
+in the unit's shard; its place in the shard only takes its gradient, which the unit reduces with the
+others, so the gradient is reduced as torch's reduces it. ``ExtensionGather`` does the rest: the
+pre-hook gives the tensors to gather, each is gathered over the shard group, and the post-hook makes
+the unsharded tensor the module computes on (the first time; afterwards it refills it in place,
+``out=``, from the same gathered buffers, whose storage is freed while the unit is resharded).
+"""
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .._engine import collectives as comm
+from .._engine.dtensors import contiguous_stride
+from .._engine.layout import alloc_storage, free_storage
+
+
+@dataclass(frozen=True)
+class GatherContext:
+    """What the hooks are given besides the tensor: the mesh of the shard group, and the unit's
+    mixed-precision policy (its ``param_dtype`` the dtype the post-hook makes)."""
+
+    shard_mesh: Optional[comm.DeviceMesh]  # None: no shard dim (fully_shard refuses extensions there)
+    mp_policy: Any
+    param_dtype: Optional[torch.dtype]
+
+
+def has_extension(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` defines an all-gather extension (both hooks, or torch's error)."""
+    pre, post = hasattr(tensor, "fsdp_pre_all_gather"), hasattr(tensor, "fsdp_post_all_gather")
+    if pre != post:
+        raise AssertionError(  # torch's type and phrase
+            f"Both fsdp_pre_all_gather and fsdp_post_all_gather should be defined if using all-gather extensions: {tensor}"
+        )
+    return pre
+
+
+class ExtensionGather:
+    """One parameter's gathers through its extension: ``local`` its sharded local tensor, ``size``
+    the unsharded (local, for a tensor-parallel parameter) size, ``module`` the module that holds it."""
+
+    def __init__(self, local: torch.Tensor, size: torch.Size, module: nn.Module, context: GatherContext) -> None:
+        self.local = local
+        self._size, self._module, self._context = size, module, context
+        assert context.shard_mesh is not None, "fully_shard refuses extensions without a shard dim"
+        self._mesh = context.shard_mesh
+        self._group = context.shard_mesh.get_group()
+        self._outputs: List[torch.Tensor] = []  # the gathered buffers, kept: the unsharded tensor may view them
+        self._unsharded: Optional[torch.Tensor] = None
+        self._inner: List[torch.Tensor] = []  # the tensors the post-hook said to free while resharded
+        self._is_gathered = False
+        self._made: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # (view, what the module computes on)
+
+    def computing(self, view: torch.Tensor) -> torch.Tensor:
+        """The unsharded tensor the module computes on, gathered if it is not; ``view`` (the
+        parameter's place in the gathered buffer) takes its gradient."""
+        if not self._is_gathered:
+            self._gather()
+        if self._made is None or self._made[0] is not view:
+            assert self._unsharded is not None, "gathered just above"
+            self._made = (view, _GradientToView.apply(view, self._unsharded))
+        return self._made[1]
+
+    def free(self) -> None:
+        """The unit resharded: the gathered buffers and the tensors the post-hook named go, their
+        objects stay for the next gather to refill."""
+        if self._is_gathered:
+            for tensor in self._outputs + self._inner:
+                free_storage(tensor)
+            self._is_gathered = False
+        self._made = None
+
+    def _gather(self) -> None:
+        inputs, metadata = self._pre_all_gather()
+        world = comm.group_size(self._group)
+        if not self._outputs:
+            self._outputs = [torch.empty(t.numel() * world, dtype=t.dtype, device=t.device) for t in inputs]
+        for output, tensor in zip(self._outputs, inputs):
+            alloc_storage(output)
+            dist.all_gather_into_tensor(output, tensor.contiguous().view(-1), group=self._group)
+        for tensor in self._inner:
+            alloc_storage(tensor)
+        gathered = tuple(output.view(-1, *tensor.shape[1:]) for output, tensor in zip(self._outputs, inputs))
+        dtype = self._context.param_dtype or self.local.dtype
+        post = getattr(self.local, "fsdp_post_all_gather")
+        if self._unsharded is None:
+            unsharded, inner = post(gathered, metadata, dtype)
+            self._unsharded = torch.as_strided(unsharded, self._size, contiguous_stride(self._size), storage_offset=0)
+            self._inner = list(inner)
+        else:
+            post(gathered, metadata, dtype, out=self._unsharded)
+        self._is_gathered = True
+
+    def _pre_all_gather(self) -> Tuple[Tuple[torch.Tensor, ...], Any]:
+        """torch's two signatures: the mesh alone, or the mesh, the size, the stride, the module and
+        the mixed-precision policy."""
+        pre = getattr(self.local, "fsdp_pre_all_gather")
+        parameters = len(inspect.signature(pre).parameters)
+        if parameters == 1:
+            inputs, metadata = pre(self._mesh)
+        elif parameters == 5:
+            inputs, metadata = pre(self._mesh, self._size, contiguous_stride(self._size), self._module,
+                                   self._context.mp_policy)
+        else:
+            raise AssertionError(  # torch's type and phrase
+                f"Invalid fsdp_pre_all_gather: {inspect.signature(pre)}\nExpects fsdp_pre_all_gather(self, mesh: "
+                "DeviceMesh, outer_size: torch.Size, outer_stride: tuple[int, ...], module: nn.Module, mp_policy: "
+                "MixedPrecisionPolicy)"
+            )
+        return tuple(inputs), metadata
+
+
+class _GradientToView(torch.autograd.Function):
+    """The unsharded tensor the module computes on, whose gradient goes to ``view`` (the parameter's
+    place in the gathered buffer), in the view's dtype."""
+
+    @staticmethod
+    def forward(ctx: Any, view: torch.Tensor, unsharded: torch.Tensor) -> torch.Tensor:
+        ctx.dtype = view.dtype
+        return unsharded.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:
+        return grad.to(ctx.dtype), None

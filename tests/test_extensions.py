@@ -1,0 +1,136 @@
+"""Tests ``fully_shard``'s all-gather extensions: a parameter whose local tensor defines
+``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` is gathered through them, against torch's
+``fully_shard`` doing the same: hooks set on a local tensor after sharding (as torch's own tests set
+them), with their call counts, on a 1-D and an HSDP mesh; and a real one, torchao's int8 weight-only
+quantized training with its ``_AdamW``, trained bitwise as torch's."""
+
+import functools
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from _harness import run_on_ranks
+from _models import fully_shard_of, same_values
+
+
+def _pre(local, calls, mesh, outer_size, outer_stride, module, mp_policy):
+    """Gathers the weight in bf16, with a second tensor of another shape (a scale) beside it."""
+    calls["pre"] += 1
+    calls["mesh_size"] = mesh.size()
+    return (local.to(torch.bfloat16), local.abs().amax(dim=-1, keepdim=True)), tuple(outer_size)
+
+
+def _post(local, calls, outputs, metadata, param_dtype, *, out=None):
+    calls["post"] += 1
+    data, scale = outputs
+    full = data.to(param_dtype) + 0 * scale
+    if out is not None:  # a later gather refills what the first one made
+        calls["out"] += 1
+        with torch.no_grad():
+            out.copy_(full)
+        return None
+    return full, (data, scale)
+
+
+def _trained_with_hooks(impl, reshard_after_forward, hsdp):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if hsdp else None
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5))
+    shard = fully_shard_of(impl)
+    shard(model[0], reshard_after_forward=reshard_after_forward, mesh=mesh)
+    shard(model, mesh=mesh)
+    calls = {"pre": 0, "post": 0, "out": 0}
+    local = model[0].weight._local_tensor  # set after sharding, on the local tensor, as torch's tests do
+    local.fsdp_pre_all_gather = functools.partial(_pre, local, calls)
+    local.fsdp_post_all_gather = functools.partial(_post, local, calls)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return losses, [p.full_tensor().detach() for p in model.parameters()], calls
+
+
+def _hooks_as_torchs(reshard_after_forward, hsdp):
+    ours = _trained_with_hooks("fsdp1", reshard_after_forward, hsdp)
+    return same_values(ours, _trained_with_hooks("torch", reshard_after_forward, hsdp)), ours[2]
+
+
+@pytest.mark.parametrize("hsdp", [False, True], ids=["1-D", "hsdp"])
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_hooks_on_a_local_tensor_gather_and_train_as_torchs(reshard_after_forward, hsdp):
+    """The same losses, parameters and call counts: a pre- and a post-hook call per gather (forward,
+    and backward again where the unit reshards after forward), the post-hook given ``out=`` from the
+    second on, and the shard group's mesh."""
+    world_size = 4 if hsdp else 2
+    for same, calls in run_on_ranks(world_size, _hooks_as_torchs, reshard_after_forward, hsdp):
+        assert same
+        gathers = 6 if reshard_after_forward else 3
+        assert calls == {"pre": gathers, "post": gathers, "out": gathers - 1, "mesh_size": 2}
+
+
+def _trained_int8(impl):
+    """torchao's int8 weight-only quantized training: its weights are a tensor subclass whose
+    extension gathers the int8 data and the scales; its ``_AdamW`` steps them."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from torchao import quantize_
+        from torchao.optim import _AdamW
+        from torchao.prototype.quantized_training import int8_weight_only_quantized_training
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    quantize_(model, int8_weight_only_quantized_training())
+    shard = fully_shard_of(impl)
+    shard(model[0])
+    shard(model[2])
+    shard(model)
+    optim = _AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(3):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    weight = model[0].weight.to_local()
+    return losses, type(weight).__name__, weight.int_data.clone(), weight.scale.clone(), model[0].bias.to_local().detach().clone()
+
+
+def _int8_as_torchs():
+    ours = _trained_int8("fsdp1")
+    return same_values(ours, _trained_int8("torch")), ours[1]
+
+
+def test_torchao_int8_training_weights_train_as_under_torchs():
+    """The weights stay torchao's subclass, sharded (its optimizer steps them), and training is
+    bitwise torch's: losses, int8 data and scales, biases."""
+    for same, kind in run_on_ranks(2, _int8_as_torchs):
+        assert same
+        assert kind == "Int8QuantizedTrainingLinearWeight"
+
+
+def _one_hook_only(impl):
+    model = fully_shard_of(impl)(nn.Linear(4, 4))
+    model.weight._local_tensor.fsdp_pre_all_gather = lambda *args: None
+    try:
+        model(torch.randn(2, 4)).sum().backward()
+    except Exception as error:  # noqa: BLE001 - compared with torch's
+        return type(error).__name__, str(error).split(":")[0]
+    return "no error", ""
+
+
+def test_a_pre_hook_without_its_post_hook_is_refused_as_torchs():
+    ours, theirs = (run_on_ranks(2, _one_hook_only, impl)[0] for impl in ("fsdp1", "torch"))
+    assert ours == theirs
+    assert ours[0] == "AssertionError"
