@@ -134,3 +134,21 @@ def test_a_pre_hook_without_its_post_hook_is_refused_as_torchs():
     ours, theirs = (run_on_ranks(2, _one_hook_only, impl)[0] for impl in ("fsdp1", "torch"))
     assert ours == theirs
     assert ours[0] == "AssertionError"
+
+
+def _unpadded_inputs():
+    """5 rows on 2 ranks: the second rank holds 2 of the first rank's 3; a pre-hook that does not pad
+    them would gather unequal inputs."""
+    calls = {"pre": 0, "post": 0, "out": 0}
+    model = fully_shard_of("fsdp1")(nn.Linear(4, 5))
+    local = model.weight._local_tensor
+    local.fsdp_pre_all_gather = functools.partial(_pre, local, calls)
+    local.fsdp_post_all_gather = functools.partial(_post, local, calls)
+    model(torch.randn(2, 4))
+
+
+def test_a_pre_hook_that_does_not_pad_an_uneven_shard_is_refused_as_torchs():
+    from _harness import RankFailure
+
+    with pytest.raises(RankFailure, match="fsdp_pre_all_gather must return all-gather inputs with the padded sharded size"):
+        run_on_ranks(2, _unpadded_inputs)

@@ -163,7 +163,8 @@ class DTensorParamViews(OrigParamViews):
             return None
         extension = self._extensions.get(index)
         if extension is None or extension.local is not local:
-            extension = ExtensionGather(local, self.shapes[index], self.slots[index].module, self._gather_context)
+            extension = ExtensionGather(local, self.shapes[index], self.shardings[index].shard_dim, self.slots[index].module,
+                                        self._gather_context)
             self._extensions[index] = extension
         return extension
 

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .._engine import collectives as comm
@@ -47,12 +46,15 @@ class ExtensionGather:
     """One parameter's gathers through its extension: ``local`` its sharded local tensor, ``size``
     the unsharded (local, for a tensor-parallel parameter) size, ``module`` the module that holds it."""
 
-    def __init__(self, local: torch.Tensor, size: torch.Size, module: nn.Module, context: GatherContext) -> None:
+    def __init__(self, local: torch.Tensor, size: torch.Size, shard_dim: int, module: nn.Module, context: GatherContext) -> None:
         self.local = local
         self._size, self._module, self._context = size, module, context
         assert context.shard_mesh is not None, "fully_shard refuses extensions without a shard dim"
         self._mesh = context.shard_mesh
         self._group = context.shard_mesh.get_group()
+        padded = list(size)
+        padded[shard_dim] = -(-size[shard_dim] // comm.group_size(self._group))
+        self._padded_size = torch.Size(padded)  # what each rank's inputs must have: the first rank's chunk
         self._outputs: List[torch.Tensor] = []  # the gathered buffers, kept: the unsharded tensor may view them
         self._unsharded: Optional[torch.Tensor] = None
         self._inner: List[torch.Tensor] = []  # the tensors the post-hook said to free while resharded
@@ -85,7 +87,7 @@ class ExtensionGather:
             self._outputs = [torch.empty(t.numel() * world, dtype=t.dtype, device=t.device) for t in inputs]
         for output, tensor in zip(self._outputs, inputs):
             alloc_storage(output)
-            dist.all_gather_into_tensor(output, tensor.contiguous().view(-1), group=self._group)
+            comm.all_gather_into(output, tensor.contiguous().view(-1), self._group).wait()
         for tensor in self._inner:
             alloc_storage(tensor)
         gathered = tuple(output.view(-1, *tensor.shape[1:]) for output, tensor in zip(self._outputs, inputs))
@@ -114,6 +116,12 @@ class ExtensionGather:
                 f"Invalid fsdp_pre_all_gather: {inspect.signature(pre)}\nExpects fsdp_pre_all_gather(self, mesh: "
                 "DeviceMesh, outer_size: torch.Size, outer_stride: tuple[int, ...], module: nn.Module, mp_policy: "
                 "MixedPrecisionPolicy)"
+            )
+        if self.local.size() != self._padded_size and any(tensor.size() != self._padded_size for tensor in inputs):
+            raise AssertionError(  # torch's type and phrase; unequal inputs would desynchronise the ranks' gathers
+                f"When a parameter is unevenly sharded by FSDP (orig size={self._size}, FSDP world size="
+                f"{comm.group_size(self._group)}), fsdp_pre_all_gather must return all-gather inputs with the padded "
+                f"sharded size {self._padded_size} but got {[tensor.size() for tensor in inputs]}"
             )
         return tuple(inputs), metadata
 
