@@ -35,6 +35,18 @@ def _post(local, calls, outputs, metadata, param_dtype, *, out=None):
     return full, (data, scale)
 
 
+def _trained(model, optim, width):
+    """3 steps on this rank's inputs of ``width`` features; the losses."""
+    losses = []
+    for step in range(3):
+        loss = model(torch.randn(4, width, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))).pow(2).mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def _trained_with_hooks(impl, reshard_after_forward, hsdp):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -48,15 +60,7 @@ def _trained_with_hooks(impl, reshard_after_forward, hsdp):
     local = model[0].weight._local_tensor  # set after sharding, on the local tensor, as torch's tests do
     local.fsdp_pre_all_gather = functools.partial(_pre, local, calls)
     local.fsdp_post_all_gather = functools.partial(_post, local, calls)
-    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
-    losses = []
-    for step in range(3):
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
-        loss = model(x).pow(2).mean()
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        losses.append(loss.item())
+    losses = _trained(model, torch.optim.Adam(model.parameters(), lr=1e-2), 8)
     return losses, [p.full_tensor().detach() for p in model.parameters()], calls
 
 
@@ -94,15 +98,7 @@ def _trained_int8(impl):
     shard(model[0])
     shard(model[2])
     shard(model)
-    optim = _AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for step in range(3):
-        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))
-        loss = model(x).pow(2).mean()
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        losses.append(loss.item())
+    losses = _trained(model, _AdamW(model.parameters(), lr=1e-2), 16)
     weight = model[0].weight.to_local()
     return losses, type(weight).__name__, weight.int_data.clone(), weight.scale.clone(), model[0].bias.to_local().detach().clone()
 

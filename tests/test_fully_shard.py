@@ -42,6 +42,7 @@ from _models import (
     shard_gpt,
     torchs_fully_shard,
     train,
+    train_steps,
 )
 
 
@@ -538,20 +539,12 @@ class _RecordedReduceScatter(_RecordedAllGather):
 
 
 def _trained_with_custom_collectives(impl):
-    rank, world_size = dist.get_rank(), dist.get_world_size()
     model = shard_gpt(make_gpt(), fully_shard_of(impl))
     gather, reduce = _RecordedAllGather(), _RecordedReduceScatter()
     for module in (model, *model.blocks):
         module.set_custom_all_gather(gather)
         module.set_custom_reduce_scatter(reduce)
-    optim = adam(model.parameters())
-    losses = []
-    for step in range(2):
-        loss = lm_loss(model, *batch(step, rank, world_size))
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        losses.append(loss.item())
+    losses = train_steps(model, adam(model.parameters()), 0, 2)
     kept = all(t.untyped_storage().size() == t.numel() * t.element_size() for t in gather.allocated + reduce.allocated)
     return losses, local_shards(model), gather.calls, reduce.calls, kept
 

@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor, Shard
 import fsdp1
 
 from _harness import run_on_ranks
-from _models import adam, batch, fully_shard_of, lm_loss, make_gpt, same_values, shard_gpt
+from _models import adam, batch, fully_shard_of, lm_loss, make_gpt, same_values, shard_gpt, train_steps
 
 
 def _even_dims(param):
@@ -46,15 +46,7 @@ def _trained(impl, placement, variant):
         kwargs["reshard_after_forward"] = False
     model = _sharded_gpt(impl, placement, **kwargs)
     shown = [(name, [str(p) for p in param.placements], tuple(param.to_local().shape)) for name, param in model.named_parameters()]
-    optim = adam(model.parameters())
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    losses = []
-    for step in range(3):
-        loss = lm_loss(model, *batch(step, rank, world_size))
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        losses.append(loss.item())
+    losses = train_steps(model, adam(model.parameters()), 0, 3)
     return shown, losses, [p.to_local().detach().clone() for p in model.parameters()]
 
 
