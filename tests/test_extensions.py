@@ -1,8 +1,9 @@
 """Tests ``fully_shard``'s all-gather extensions: a parameter whose local tensor defines
 ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` is gathered through them, against torch's
 ``fully_shard`` doing the same: hooks set on a local tensor after sharding (as torch's own tests set
-them), with their call counts, on a 1-D and an HSDP mesh; and a real one, torchao's int8 weight-only
-quantized training with its ``_AdamW``, trained bitwise as torch's."""
+them), with their call counts, on a 1-D and an HSDP mesh; and real ones, torchao's int8 weight-only
+quantized training with its ``_AdamW`` and its float8 training with float8 all-gathers, trained
+bitwise as torch's."""
 
 import functools
 import warnings
@@ -114,6 +115,36 @@ def test_torchao_int8_training_weights_train_as_under_torchs():
     for same, kind in run_on_ranks(2, _int8_as_torchs):
         assert same
         assert kind == "Int8QuantizedTrainingLinearWeight"
+
+
+def _trained_float8(impl):
+    """torchao's float8 training with its float8 all-gather: the weights cast themselves to float8
+    before the gather, which gloo moves as bytes."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+    convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+    shard = fully_shard_of(impl)
+    shard(model[0])
+    shard(model[2])
+    shard(model)
+    losses = _trained(model, torch.optim.AdamW(model.parameters(), lr=1e-2), 32)
+    weight = model[0].weight.to_local()
+    return losses, type(weight).__name__, [p.to_local().detach().as_subclass(torch.Tensor).clone() for p in model.parameters()]
+
+
+def _float8_as_torchs():
+    ours = _trained_float8("fsdp1")
+    return same_values(ours, _trained_float8("torch")), ours[1]
+
+
+def test_torchao_float8_training_with_float8_gathers_trains_as_under_torchs():
+    for same, kind in run_on_ranks(2, _float8_as_torchs):
+        assert same
+        assert kind == "WeightWithDynamicFloat8CastTensor"
 
 
 def _one_hook_only(impl):

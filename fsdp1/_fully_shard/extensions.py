@@ -83,14 +83,15 @@ class ExtensionGather:
     def _gather(self) -> None:
         inputs, metadata = self._pre_all_gather()
         world = comm.group_size(self._group)
-        if not self._outputs:
-            self._outputs = [torch.empty(t.numel() * world, dtype=t.dtype, device=t.device) for t in inputs]
+        if not self._outputs:  # in bytes: gloo gathers no float8, and the gather only moves them
+            self._outputs = [torch.empty(t.numel() * t.element_size() * world, dtype=torch.uint8, device=t.device)
+                             for t in inputs]
         for output, tensor in zip(self._outputs, inputs):
             alloc_storage(output)
-            comm.all_gather_into(output, tensor.contiguous().view(-1), self._group).wait()
+            comm.all_gather_into(output, tensor.contiguous().view(-1).view(torch.uint8), self._group).wait()
         for tensor in self._inner:
             alloc_storage(tensor)
-        gathered = tuple(output.view(-1, *tensor.shape[1:]) for output, tensor in zip(self._outputs, inputs))
+        gathered = tuple(output.view(tensor.dtype).view(-1, *tensor.shape[1:]) for output, tensor in zip(self._outputs, inputs))
         dtype = self._context.param_dtype or self.local.dtype
         post = getattr(self.local, "fsdp_post_all_gather")
         if self._unsharded is None:
