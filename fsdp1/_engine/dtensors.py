@@ -1,10 +1,12 @@
 """One builder of DTensors over a rank's rows, for every place fsdp1 shows a sharded tensor as a
 DTensor: ``fully_shard``'s parameters and gradients, the rows ``reshard_after_forward=k`` keeps,
-and FSDP1's SHARDED state dicts (parameters and optimizer state). The DTensor is built on an empty
-stand-in and given its local tensor afterwards, which no DTensor constructor does for a view."""
+and FSDP1's SHARDED state dicts (parameters and optimizer state). Two ways, for two readers: a
+parameter (and a gradient) is built on its local tensor itself, as ``from_local`` builds, which
+``torch.compile`` traces; a tensor handed out to be saved (``viewing``) is built on an empty
+stand-in and given its local tensor afterwards, which ``torch.save`` takes for a view of the shard."""
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence, Tuple, cast
+from typing import TYPE_CHECKING, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -39,10 +41,11 @@ class RowSharding:
         return viewing(local, self._stand_in(local, shape)._spec)
 
     def parameter(self, local: torch.Tensor, shape: torch.Size, requires_grad: bool) -> nn.Parameter:
-        """A DTensor ``nn.Parameter`` of global ``shape`` whose local tensor is ``local``."""
-        param = nn.Parameter(self._stand_in(local, shape), requires_grad=requires_grad)
-        cast(DTensor, param)._local_tensor = local
-        return param
+        """A DTensor ``nn.Parameter`` of global ``shape`` whose local tensor is ``local``, built on it
+        as ``from_local`` builds, so that ``torch.compile`` can trace it (a compiled optimizer step);
+        state dicts hold ``viewing`` copies, which ``torch.save`` takes."""
+        return nn.Parameter(DTensor(local.view_as(local), self._stand_in(local, shape)._spec, requires_grad=False),
+                            requires_grad=requires_grad)
 
     def _stand_in(self, local: torch.Tensor, shape: torch.Size) -> DTensor:
         return DTensor.from_local(_empty_like(local), self.mesh, self.placements, run_check=False, shape=shape,
