@@ -179,3 +179,26 @@ def test_a_pre_hook_that_does_not_pad_an_uneven_shard_is_refused_as_torchs():
 
     with pytest.raises(RankFailure, match="fsdp_pre_all_gather must return all-gather inputs with the padded sharded size"):
         run_on_ranks(2, _unpadded_inputs)
+
+
+def _kept_rows_of_an_extension():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from torchao import quantize_
+        from torchao.prototype.quantized_training import int8_weight_only_quantized_training
+
+    model = nn.Sequential(nn.Linear(16, 32))
+    quantize_(model, int8_weight_only_quantized_training())
+    try:
+        fully_shard_of("fsdp1")(model, reshard_after_forward=2)
+    except NotImplementedError as error:
+        return str(error), type(model[0].weight).__name__
+    return "no error", ""
+
+
+def test_rows_kept_over_fewer_ranks_are_refused_for_an_extension_parameter():
+    """torch's fails in the first backward; fsdp1 kept the whole unsharded weight between forward and
+    backward without a word."""
+    message, kept = run_on_ranks(4, _kept_rows_of_an_extension)[0]
+    assert "'0.weight', gathered by its all-gather extension" in message
+    assert kept == "Int8QuantizedTrainingLinearWeight"  # the refused call changed nothing

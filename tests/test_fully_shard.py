@@ -531,11 +531,12 @@ class _RecordedAllGather:
 
 
 class _RecordedReduceScatter(_RecordedAllGather):
-    """torch's ``ReduceScatter`` interface over ``reduce_scatter_tensor``."""
+    """torch's ``ReduceScatter`` interface over ``reduce_scatter_tensor``, synchronous, taking no
+    ``async_op`` (torch's FSDP2 passes none)."""
 
-    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+    def __call__(self, output_tensor, input_tensor, group, op):
         self.calls.append((tuple(output_tensor.shape), tuple(input_tensor.shape), output_tensor.dtype))
-        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
 
 
 def _trained_with_custom_collectives(impl):

@@ -61,7 +61,7 @@ class UserReduceScatter(Protocol):
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor: ...
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: ProcessGroup,
-                 op: Any, async_op: bool = False) -> Optional[Work]: ...
+                 op: Any) -> Optional[Work]: ...
 
 
 # torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
@@ -156,9 +156,8 @@ def user_reduce_scatter(reduce: UserReduceScatter, unsharded: torch.Tensor, grou
     reduce_input = reduce.allocate((unsharded.numel(),), dtype=dtype, device=device)
     reduce_input.copy_(unsharded)
     output = reduce.allocate((unsharded.numel() // group_size(group),), dtype=dtype, device=device)
-    work = _issue(group, "reduce-scatter", reduce_input, about,
-                  lambda: reduce(output_tensor=output, input_tensor=reduce_input, group=group, op=dist.ReduceOp.SUM,
-                                 async_op=True))
+    work = _issue(group, "reduce-scatter", reduce_input, about,  # no async_op: torch's FSDP2 passes none either
+                  lambda: reduce(output_tensor=output, input_tensor=reduce_input, group=group, op=dist.ReduceOp.SUM))
     return reduce_input, output, work or Finished()
 
 

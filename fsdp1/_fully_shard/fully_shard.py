@@ -101,6 +101,12 @@ def fully_shard(
             "reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims). fsdp1: pass True or "
             "False with dp_mesh_dims."
         )
+    extended = [slot.fqn for slot in slots if has_extension(shardings[id(slot.live_param)].local_of_computing(slot.live_param))]
+    if rows_group_size and extended:
+        raise NotImplementedError(  # torch's type; it raises in the first backward
+            f"fsdp1: reshard_after_forward={reshard_after_forward} keeps rows over a smaller group, which '{extended[0]}', "
+            "gathered by its all-gather extension, cannot do (torch's fully_shard fails in backward); pass True or False."
+        )
     if rows_group_size and any(sharding.computing is not None for sharding in shardings.values()):
         raise NotImplementedError(  # torch's phrase, raised at its first forward
             "Resharding to smaller mesh is not supported for DTensor parameters yet. fsdp1: "
