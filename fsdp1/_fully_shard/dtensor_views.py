@@ -371,8 +371,8 @@ def _grad_of(param: nn.Parameter, local: torch.Tensor) -> DTensor:
     """A gradient for ``param`` with ``local`` as its local tensor: the parameter's placement, shape
     and dtype, built directly (``from_local`` costs an autograd function and a new spec per call,
     which was a third of the step's Python time). Built on ``local`` itself, as ``from_local``
-    builds, so that ``torch.compile`` can trace it (a compiled optimizer step: torchao's); one built
-    on a stand-in, as the parameters are for ``torch.save``, fails there."""
+    builds and as the parameters are, so that ``torch.compile`` can trace it (a compiled optimizer
+    step: torchao's); one built on an empty stand-in fails there."""
     return DTensor(local.view_as(local), cast(DTensor, param)._spec, requires_grad=False)
 
 
