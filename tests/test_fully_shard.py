@@ -576,7 +576,9 @@ def _compiled_sgd_steps(impl):
     """Two SGD steps whose update is compiled over each DTensor parameter and gradient, as a compiled
     optimizer step (torchao's low-bit optimizers) traces them."""
 
-    @torch.compile
+    # aot_eager: traced as inductor traces, but no compiled graph cached on disk, which the ranks of one
+    # machine share although their uneven local shapes differ (a graph one rank wrote, another loads)
+    @torch.compile(backend="aot_eager")
     def update(param, grad):
         param.add_(grad, alpha=-0.1)
 
