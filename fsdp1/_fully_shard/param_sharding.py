@@ -11,8 +11,8 @@ already splits that dim, since the data-parallel split is taken of each tensor-p
 ``Replicate()`` on a replicate dim, and the tensor-parallel placements after that.
 """
 
-from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple, cast
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 from torch import nn
@@ -38,6 +38,7 @@ class ParamSharding:
     at_rest: RowSharding
     computing: Optional[RowSharding] = None
     kept_dims: Tuple[int, ...] = ()
+    _computing_specs: Dict[torch.dtype, Any] = field(default_factory=dict, compare=False, repr=False)  # by dtype
 
     def parameter(self, local: torch.Tensor, requires_grad: bool) -> nn.Parameter:
         return self.at_rest.parameter(local, self.shape, requires_grad)
@@ -50,7 +51,10 @@ class ParamSharding:
         gradient flows back to the view."""
         if self.computing is None:
             return unsharded
-        return _ComputingDTensor.apply(unsharded, self.computing.dtensor(unsharded, self.shape)._spec, self.kept_dims)
+        spec = self._computing_specs.get(unsharded.dtype)
+        if spec is None:  # made once per dtype, not on every forward
+            spec = self._computing_specs[unsharded.dtype] = self.computing.dtensor(unsharded, self.shape)._spec
+        return _ComputingDTensor.apply(unsharded, spec, self.kept_dims)
 
     def shown_unsharded(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` (a view of the gathered buffer, or a gradient laid out as one) as the module
