@@ -2,7 +2,8 @@
 FSDP units by torch's class (HF Accelerate, the Transformers Trainer, Lightning, torch's own
 ``torch.distributed.checkpoint.state_dict`` helpers), and fsdp1's ``fully_shard``, ``FSDPModule``
 and policies where torch's FSDP2 names are (Accelerate's FSDP2 mode, the Trainer's default FSDP
-path and torchtitan-style scripts import them when they shard).
+path and torchtitan-style scripts import them when they shard), torch's pipeline schedules
+included, which recognise a stage module by torch's ``FSDPModule``.
 
 Those clients import ``FullyShardedDataParallel`` from ``torch.distributed.fsdp`` or from
 ``torch.distributed.fsdp.fully_sharded_data_parallel`` when they need it, and test
@@ -48,6 +49,11 @@ FSDP2_NAMES = {
 TORCH_STATE_DICT_HELPERS = "torch.distributed.checkpoint.state_dict"
 """torch's ``get_state_dict`` / ``set_state_dict`` family, which binds the class at import."""
 
+TORCH_PIPELINING_MODULES = ("torch.distributed.pipelining.stage", "torch.distributed.pipelining.schedules")
+"""torch's pipeline stages and schedules, which bind ``FSDPModule``, ``UnshardHandle`` and
+``fully_shard`` when imported, to recognise a stage module as sharded and drive it (keep it gathered
+and its gradients unreduced across micro-batches, reduce them once at the end of the step)."""
+
 
 def _unit_state_or(torch_lookup: Callable[[nn.Module], Optional[Any]]) -> Callable[[nn.Module], Optional[Any]]:
     """torch's "FSDP state of this fully sharded module" lookup, answering for fsdp1's units too:
@@ -88,6 +94,8 @@ class use_as_torch_fsdp:  # noqa: N801 - used as a function, as torch's own cont
                              for module in map(importlib.import_module, TORCH_SCALER_MODULES)
                              if hasattr(module, "ShardedGradScaler")]
             replacements += [(module, name, value) for module in map(importlib.import_module, TORCH_FSDP2_MODULES)
+                             for name, value in FSDP2_NAMES.items() if hasattr(module, name)]
+            replacements += [(module, name, value) for module in map(importlib.import_module, TORCH_PIPELINING_MODULES)
                              for name, value in FSDP2_NAMES.items() if hasattr(module, name)]
             replacements += [(helpers, "FSDP", FullyShardedDataParallel),
                              (helpers, lookup, _unit_state_or(getattr(helpers, lookup)))]

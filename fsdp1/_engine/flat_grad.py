@@ -160,6 +160,11 @@ class FlatGrad:
         """``flat_param.grad`` holds local sums (inside ``no_sync``)."""
         return self.phase in _UNREDUCED
 
+    @property
+    def arrived_this_backward(self) -> bool:
+        """Autograd assembled this unit's unsharded gradient in the backward running now."""
+        return self.phase in _IN_BACKWARD
+
     # ----------------------------------------------------------------------------- the optimizer's gradient
     @property
     def for_optim(self) -> Optional[torch.Tensor]:

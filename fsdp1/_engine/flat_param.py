@@ -169,6 +169,7 @@ class FlatParamHandle:
         self._gather_input: Optional[torch.Tensor] = None  # the cast or copied shard a gather in flight reads
         self._rows_after_forward = rows_after_forward
         self._forward_views: List[torch.Tensor] = []  # the last forward's, tied to autograd
+        self._gathered_from: Optional[Tuple[torch.Tensor, int]] = None  # the shard and its version at the last gather
 
     # ----------------------------------------------------------------------------- construction and queries
     def _set_flat_param_metadata(self) -> None:
@@ -263,6 +264,15 @@ class FlatParamHandle:
         """Unsharded into a buffer apart from the shard (kept for a backward, or inside no_sync)."""
         return self.state not in RESTING and self._needs_unshard
 
+    @property
+    def holds_current_gathered_copy(self) -> bool:
+        """Holds a gathered copy of the shard as it still is: nothing wrote to the shard since the
+        gather (known only where writes show in its version counter)."""
+        if not (self.holds_gathered_copy and self.views.writes_show_in_shard and self._gathered_from is not None):
+            return False
+        shard, version = self._gathered_from
+        return shard is self._local_shard and version == shard._version
+
     def write_back_orig_params(self, is_gathered_for_backward: bool = False) -> None:
         """Take into the shard what the user assigned to an original parameter at rest
         (use_orig_params); a gathered copy is then stale, and the next use gathers the new values."""
@@ -294,6 +304,7 @@ class FlatParamHandle:
                 return
             self.reshard()
         self._unsharded_buffer = target
+        self._gathered_from = (self._local_shard, self._local_shard._version)
         if target is self._local_shard:  # not sharded, full precision: the shard is the parameter
             self.state = HandleState.UNSHARDED
             return

@@ -65,6 +65,7 @@ class UnitState:
         self._backward_graph_task = -1  # autograd graph task this unit's backward began in
         self.awaits_reduction = False  # a nested backward accumulated a partial gradient
         self.forwards_awaiting_gradient = 0  # forwards since the last backward whose split no gradient reached yet
+        self.missed_parameters = False  # since the last reduction, an unsynchronised backward reached the outputs but not the parameters
         self._has_post_backward_hook = False
         self._submodule_forward: Optional[nn.Module] = None  # a submodule called from outside, running
         self._group_forward: Optional[GroupForward] = None  # a unit of several modules: its forward hooks
@@ -265,8 +266,9 @@ class UnitState:
         """The root's forward: recover from an aborted iteration, then bring every unit up to date. A
         unit still gathered by a forward whose backward never came (an eval forward, which fully_shard
         units do not reshard after) may hold values an optimizer step has since changed: gather it
-        afresh. Between the backwards of one accumulation (``no_sync``) a unit kept gathered keeps
-        its parameters on purpose, and no step comes between. A flat parameter a client replaced
+        afresh, unless the shard provably did not change since it was gathered (a pipeline
+        schedule's forwards before its first backward). Between the backwards of one accumulation
+        (``no_sync``) a unit kept gathered keeps its parameters on purpose, and no step comes between. A flat parameter a client replaced
         (Accelerate's upcast) becomes the shard."""
         comm.health_of(state.process_group).raise_if_broken()
         if not state.is_clean() and not inside_backward():
@@ -287,7 +289,8 @@ class UnitState:
                     f"still on meta device: {on_meta}\nFor example, call module.to_empty(device) to materialize to "
                     "device and call module.reset_parameters() on each module to initialize values."
                 )
-            if member.sync_gradients or not handle.grad.is_unreduced:
+            keeps_for_accumulation = not member.sync_gradients and handle.grad.is_unreduced
+            if not keeps_for_accumulation and not handle.holds_current_gathered_copy:
                 handle.reshard()
             handle.adopt_replaced_flat_param()
             handle.grad.take_user_changes()
@@ -416,6 +419,7 @@ class UnitState:
             handle.reshard()  # first: the unsharded parameters are freed before the reduction allocates
         if self.sync_gradients:
             state.add_reduction(handle.grad.reduce())
+            self.missed_parameters = False
         else:
             handle.grad.keep_unreduced()
         for unit in self.schedule.backward_prefetches_after(self, state.order):
@@ -430,6 +434,9 @@ class UnitState:
         gradient handed to the optimizer, and it is IDLE."""
         handle = self.handle
         if handle is not None:
+            if (not self.sync_gradients and self.training_state is TrainingState.FORWARD_BACKWARD
+                    and handle.flat_param.requires_grad and not handle.grad.arrived_this_backward):
+                self.missed_parameters = True  # a pipeline schedule's input pass (autograd.grad over the inputs)
             if self._reshards_after_backward:
                 handle.reshard()
             elif handle.state not in RESTING:  # kept gathered (no_sync); an unused unit never was

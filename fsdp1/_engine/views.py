@@ -249,6 +249,11 @@ class ParamViews(ABC):
         """A backward reduced the gradient, which the next ``show_grads`` shows; ``arrived``: which
         parameters autograd gave one since the last reduction (``tracks_arrivals`` only)."""
 
+    writes_show_in_shard = False
+    """Whether every in-place write to the parameters (an optimizer step) bumps the shard's version
+    counter: their tensors are views of the shard. FSDP1's are re-pointed through ``.data``, which
+    keeps a counter of their own, so a copy gathered from their shard counts as stale."""
+
     holds_grad = False
     """Whether the optimizer's gradient lives only as long as the parameters' ``.grad`` views of it
     (the views keep it; the handle holds it weakly, through ``held_grad``)."""

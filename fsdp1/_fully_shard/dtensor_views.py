@@ -237,6 +237,7 @@ class DTensorParamViews(OrigParamViews):
 
     holds_grad = True
     tracks_arrivals = True
+    writes_show_in_shard = True  # the DTensors' local tensors are views of the shard
 
     def grads_arrived(self, arrived: Sequence[bool]) -> None:
         if self.held_grad() is None:  # none was kept: every .grad was dropped (zero_grad), which freed it

@@ -10,6 +10,7 @@ FSDP2's methods. Modules are sharded bottom-up:
 blocks first, then the root, whose first forward makes it the root of every unit below it.
 """
 
+import sys
 import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
@@ -42,6 +43,7 @@ from .dtensor_views import DTensorParamViews
 from .extensions import GatherContext, has_extension
 from .module import FSDPModule, _fsdp_class
 from .param_sharding import DataParallelMesh, ParamSharding
+from .pipeline import StageReduction
 from .post_forward import PostForwardRows
 
 
@@ -69,6 +71,7 @@ def fully_shard(
     modules = list(module) if isinstance(module, list) else [module]
     if not modules:
         raise ValueError("fsdp1: fully_shard got an empty list of modules; pass the modules to shard as one group.")
+    _warn_if_pipelining_would_not_recognise()
     if len({id(each) for each in modules}) < len(modules):
         raise AssertionError(  # torch's type and phrase
             "Each distinct composable distributed API can only be applied to a module once. fsdp1: fully_shard got "
@@ -154,11 +157,29 @@ def fully_shard(
     return modules if isinstance(module, list) else module
 
 
+fully_shard.state = StageReduction  # type: ignore[attr-defined]  # torch's fully_shard.state(module), which its pipeline stages call
+
+
 def _rows_after_forward(layout: RowShardLayout, mesh: comm.DeviceMesh, group_size: int) -> PostForwardRows:
     """After forward, keep each rank's rows over consecutive runs of ``group_size`` ranks, shown as
     torch's are: ``(Replicate(), Shard(0))`` on a ``(world / group_size, group_size)`` mesh."""
     regrouped = comm.regrouped_mesh(mesh, group_size)
     return PostForwardRows(layout, comm.mesh_groups(regrouped)[1], RowSharding(regrouped, (Replicate(), Shard(0))))
+
+
+def _warn_if_pipelining_would_not_recognise() -> None:
+    """torch's pipeline schedules recognise a stage module by the ``FSDPModule`` they imported; not
+    recognised, they run fsdp1's modules as plain ones: gathered and reduced once per micro-batch, and
+    under a schedule that splits backward, with no weight gradient at all."""
+    stage = sys.modules.get("torch.distributed.pipelining.stage")
+    if stage is not None and getattr(stage, "FSDPModule", FSDPModule) is not FSDPModule:
+        warnings.warn(
+            "fsdp1: torch.distributed.pipelining is imported, and its schedules do not recognise fsdp1's fully_shard "
+            "modules: they would run them as plain modules, gathered and reduced once per micro-batch, and a schedule "
+            "that splits backward (zero-bubble, DualPipeV) would compute no weight gradient for them. Call "
+            "fsdp1.use_as_torch_fsdp() before building the pipeline stages.",
+            stacklevel=3,
+        )
 
 
 def _check_mesh(mesh: comm.DeviceMesh, dp_mesh_dims: Optional[DataParallelMeshDims]) -> None:

@@ -1,0 +1,70 @@
+"""What torch's pipeline schedules (``torch.distributed.pipelining``) reach in a stage's ``fully_shard``
+module, so that they drive fsdp1's modules as they drive torch's (under ``use_as_torch_fsdp``, which
+points the schedules' names at fsdp1's).
+
+Across a step's micro-batches a schedule tells the stage module not to synchronise gradients and not
+to reshard after backward (``FSDPModule``'s own setters): every unit stays gathered and adds each
+micro-batch's gradient to its unreduced sum. At the end of the step it turns both back on and asks
+``fully_shard.state(stage_module)`` to reduce: torch's stage calls ``post_backward()`` on every
+parameter group it finds through ``_state_ctx.all_states[i]._fsdp_param_groups``, then
+``_root_post_backward_final_callback()``. Those are torch's names; ``StageReduction`` answers to
+them, with the stage module's units as its one group.
+"""
+
+from typing import Tuple
+
+from torch import nn
+
+from .._engine.unit_state import state_of, unit_states
+
+
+class StageReduction:
+    """``fully_shard.state(module)``: the end-of-step reduction of a pipeline stage's units."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self._root = state_of(module)
+        self._units = unit_states(module)
+
+    @property
+    def _state_ctx(self) -> "StageReduction":
+        return self
+
+    @property
+    def all_states(self) -> Tuple["StageReduction"]:
+        return (self,)
+
+    @property
+    def _fsdp_param_groups(self) -> Tuple["StageReduction"]:
+        return (self,)
+
+    def post_backward(self) -> None:
+        """Every unit whose micro-batches left their gradient unreduced reduces it at the final
+        callback, as a backward that synchronises would; a unit no micro-batch reached keeps its
+        gradient as it was.
+
+        A schedule that splits backward into an input pass and a weight pass (the zero-bubble and
+        DualPipeV schedules) computes the weight gradients through the parameters the modules hold,
+        as separate leaves of the autograd graph; fsdp1's units compute on views of one flat
+        parameter, so the weight pass cannot reach them. That step is refused here, before any
+        gradient is handed to an optimizer, and undone: every unit sharded, its
+        gradient as before the step."""
+        missed = [unit.path or "the stage module" for unit in self._units if unit.missed_parameters]
+        if missed:
+            self._root.root_state.recover()  # every unit sharded, its gradient as before the step
+            raise NotImplementedError(
+                f"fsdp1: the pipeline schedule's backward reached the outputs of {missed} but not their parameters, "
+                "which a schedule that splits backward into an input pass and a weight pass does "
+                "(ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV): fsdp1's fully_shard "
+                "modules cannot give that weight pass their parameters, so the step was undone before any "
+                "gradient was reduced. Use a schedule that runs whole backwards (ScheduleGPipe, Schedule1F1B, "
+                "ScheduleInterleaved1F1B, ScheduleLoopedBFS)."
+            )
+        for unit in self._units:
+            if unit.handle is not None and unit.handle.grad.is_unreduced:
+                unit.handle.grad.begin_backward()
+                unit.awaits_reduction = True
+
+    def _root_post_backward_final_callback(self) -> None:
+        """Reduce, reshard as the schedule now asks, and hand every unit's gradient to the optimizer."""
+        self._root.root_state.finalize_backward()
+

@@ -1,0 +1,281 @@
+"""Tests ``fully_shard`` stages under torch's pipeline schedules (``torch.distributed.pipelining``) on
+a (pp=2, dp=2) mesh, against torch's ``fully_shard`` doing the same: with ``use_as_torch_fsdp`` in
+effect the schedules recognise fsdp1's modules, keep them gathered and their gradients unreduced
+across the micro-batches and reduce once at the end of the step, so the losses, the parameters and
+the bytes gathered and reduced per step are torch's; a schedule that splits backward into an input
+and a weight pass is refused before any gradient reaches the optimizer. Also a Hugging Face GPT-2 cut
+into stages, tensor parallelism inside the stages on 8 ranks, and the warning for schedules that do
+not recognise fsdp1's modules."""
+
+import contextlib
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import fsdp1
+
+from _harness import RankFailure, run_on_ranks
+from _models import fully_shard_of
+from tools.benchmark import CommBytes
+
+DIM, MICROBATCHES, STEPS = 7, 4, 3
+WHOLE_BACKWARD = ["ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS"]
+SPLIT_BACKWARD = ["ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"]
+
+
+class Residual(nn.Module):
+    """One block: an MLP (of odd width by default) around a residual connection."""
+
+    def __init__(self, hidden: int = 2 * DIM + 1) -> None:
+        super().__init__()
+        self.up = nn.Linear(DIM, hidden)
+        self.down = nn.Linear(hidden, DIM)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def _stage_indices(schedule_name, pp_rank, pp_size):
+    """The stages one pipeline rank holds: one for single-stage schedules, two (looped, or V-shaped
+    for the V schedules) for the others."""
+    from torch.distributed.pipelining import schedules
+
+    if issubclass(getattr(schedules, schedule_name), schedules.PipelineScheduleSingle):
+        return [pp_rank]
+    if schedule_name in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV"):
+        return [pp_rank, 2 * pp_size - 1 - pp_rank]
+    return [pp_rank, pp_rank + pp_size]
+
+
+def _pipeline(impl, schedule_name, blocks, shard, pp_group, loss_fn):
+    """``blocks`` cut into the stages this rank holds, each block and each stage sharded by ``shard``,
+    driven by ``schedule_name``."""
+    from torch.distributed.pipelining import PipelineStage, schedules
+
+    pp_rank, pp_size = pp_group.rank(), pp_group.size()
+    indices = _stage_indices(schedule_name, pp_rank, pp_size)
+    stage_count = len(indices) * pp_size
+    per_stage = len(blocks) // stage_count
+    stages = []
+    for index in indices:
+        module = nn.Sequential(*copy.deepcopy(blocks[index * per_stage:(index + 1) * per_stage]))
+        stages.append(PipelineStage(shard(module), index, stage_count, torch.device("cpu"), group=pp_group))
+    schedule_class = getattr(schedules, schedule_name)
+    single = issubclass(schedule_class, schedules.PipelineScheduleSingle)
+    schedule = schedule_class(stages[0] if single else stages, n_microbatches=MICROBATCHES, loss_fn=loss_fn)
+    return schedule, [stage.submod for stage in stages], 0 in indices, stage_count - 1 in indices
+
+
+def _step(schedule, is_first, is_last, inputs, targets):
+    """One schedule step; the losses of its micro-batches where this rank computes them."""
+    losses = []
+    if is_first and is_last:
+        schedule.step(inputs, target=targets, losses=losses)
+    elif is_first:
+        schedule.step(inputs)
+    elif is_last:
+        schedule.step(target=targets, losses=losses)
+    else:
+        schedule.step()
+    return [loss.detach() for loss in losses]
+
+
+def _mse(output, target):
+    return F.mse_loss(output, target)
+
+
+def _shard_blocks(impl, mesh, **kwargs):
+    fully_shard = fully_shard_of(impl)
+
+    def shard(stage):
+        for block in stage:
+            fully_shard(block, mesh=mesh, reshard_after_forward=False, **kwargs)
+        return fully_shard(stage, mesh=mesh, **kwargs)
+
+    return shard
+
+
+def _recognised(impl):
+    """fsdp1's modules recognised by torch's schedules: fsdp1's names in torch's place."""
+    return fsdp1.use_as_torch_fsdp() if impl == "fsdp1" else contextlib.nullcontext()
+
+
+def _trained_pipeline(impl, schedule_name):
+    """Three AdamW steps; per step the losses, then every parameter's full value and the bytes one
+    rank sent in the second step's gathers and reductions."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    torch.manual_seed(0)
+    blocks = [Residual() for _ in range(8)]
+    with _recognised(impl):
+        schedule, modules, is_first, is_last = _pipeline(impl, schedule_name, blocks, _shard_blocks(impl, mesh["dp"]),
+                                                          mesh["pp"].get_group(), _mse)
+        optims = [torch.optim.AdamW(module.parameters(), lr=1e-2) for module in modules]
+        dp_rank = mesh["dp"].get_local_rank()
+        losses, sent = [], {}
+        for step in range(STEPS):
+            generator = torch.Generator().manual_seed(100 * step + dp_rank)
+            inputs, targets = torch.randn(2 * MICROBATCHES, DIM, generator=generator), torch.randn(2 * MICROBATCHES, DIM, generator=generator)
+            counter = CommBytes() if step == 1 else contextlib.nullcontext()
+            with counter:
+                losses.append(_step(schedule, is_first, is_last, inputs, targets))
+            if step == 1:
+                sent = dict(counter.payload)
+            for optim in optims:
+                optim.step()
+                optim.zero_grad()
+        values = [param.full_tensor().detach() for module in modules for param in module.parameters()]
+    return losses, values, sum(sent.values())
+
+
+@pytest.mark.parametrize("schedule_name", WHOLE_BACKWARD)
+def test_whole_backward_schedules_train_as_torchs(schedule_name):
+    """Every schedule whose backwards are whole: losses and parameters bitwise torch's on every
+    rank, gathered once and reduced once per step, so no more bytes than torch's (fsdp1 without the
+    schedules' cooperation gathered and reduced once per micro-batch: 4.5 times torch's bytes here)."""
+    ours = run_on_ranks(4, _trained_pipeline, "fsdp1", schedule_name)
+    torchs = run_on_ranks(4, _trained_pipeline, "torch", schedule_name)
+    for (losses, values, sent), (torch_losses, torch_values, torch_sent) in zip(ours, torchs):
+        assert len(losses) == STEPS and all(len(step) in (0, MICROBATCHES) for step in losses)
+        assert all(torch.equal(a, b) for step, torch_step in zip(losses, torch_losses) for a, b in zip(step, torch_step))
+        assert all(torch.equal(a, b) for a, b in zip(values, torch_values))
+        assert 0 < sent <= torch_sent
+
+
+def _split_backward_step(schedule_name):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    torch.manual_seed(0)
+    blocks = [Residual() for _ in range(8)]
+    with fsdp1.use_as_torch_fsdp():
+        schedule, _, is_first, is_last = _pipeline("fsdp1", schedule_name, blocks, _shard_blocks("fsdp1", mesh["dp"]),
+                                                   mesh["pp"].get_group(), _mse)
+        inputs = targets = torch.randn(2 * MICROBATCHES, DIM)
+        _step(schedule, is_first, is_last, inputs, targets)
+
+
+@pytest.mark.parametrize("schedule_name", SPLIT_BACKWARD)
+def test_split_backward_is_refused_before_any_gradient(schedule_name):
+    """A schedule that splits backward into an input pass and a weight pass trained torch's
+    ``fully_shard`` right and fsdp1's silently wrong (no weight gradient from the split micro-batches):
+    its first step is refused before any gradient is reduced, naming the schedules that work (the
+    first rank to refuse ends the others' wait for its messages)."""
+    with pytest.raises(RankFailure, match="splits backward into an input pass and a weight pass") as refused:
+        run_on_ranks(4, _split_backward_step, schedule_name)
+    assert "Schedule1F1B" in str(refused.value)
+
+
+class _GPT2Stage(nn.Module):
+    """A cut of a Hugging Face GPT-2: the embeddings on the first stage, the final norm and the head on
+    the last, transformer blocks on both."""
+
+    def __init__(self, model, first: bool, blocks) -> None:
+        super().__init__()
+        self.wte, self.wpe = (model.transformer.wte, model.transformer.wpe) if first else (None, None)
+        self.blocks = nn.ModuleList(blocks)
+        self.ln_f, self.head = (None, None) if first else (model.transformer.ln_f, model.lm_head)
+
+    def forward(self, x):
+        if self.wte is not None:
+            x = self.wte(x) + self.wpe(torch.arange(x.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+            x = x[0] if isinstance(x, tuple) else x
+        return x if self.head is None else self.head(self.ln_f(x))
+
+
+def _trained_gpt2(impl):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    config = GPT2Config(vocab_size=61, n_positions=16, n_embd=24, n_layer=4, n_head=2, tie_word_embeddings=False,
+                        attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config)
+    pp_rank = mesh["pp"].get_local_rank()
+    first = pp_rank == 0
+    stage = _GPT2Stage(model, first, model.transformer.h[:2] if first else model.transformer.h[2:])
+    fully_shard = fully_shard_of(impl)
+    with _recognised(impl):
+        for block in stage.blocks:
+            fully_shard(block, mesh=mesh["dp"], reshard_after_forward=False)
+        fully_shard(stage, mesh=mesh["dp"])
+        schedule = Schedule1F1B(
+            PipelineStage(stage, pp_rank, 2, torch.device("cpu"), group=mesh["pp"].get_group()), n_microbatches=MICROBATCHES,
+            loss_fn=lambda logits, targets: F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
+        optim = torch.optim.AdamW(stage.parameters(), lr=1e-2)
+        losses = []
+        for step in range(STEPS):
+            tokens = torch.randint(0, 61, (2 * MICROBATCHES, 6), generator=torch.Generator().manual_seed(step + 10 * mesh["dp"].get_local_rank()))
+            losses.append(_step(schedule, first, not first, tokens, tokens))
+            optim.step()
+            optim.zero_grad()
+        values = [param.full_tensor().detach() for param in stage.parameters()]
+    return losses, values
+
+
+def test_hugging_face_gpt2_stages_train_as_torchs():
+    """A GPT-2 cut into two stages (embeddings and blocks; blocks, norm and head), each block
+    sharded: three steps of Schedule1F1B bitwise torch's."""
+    ours = run_on_ranks(4, _trained_gpt2, "fsdp1")
+    torchs = run_on_ranks(4, _trained_gpt2, "torch")
+    for (losses, values), (torch_losses, torch_values) in zip(ours, torchs):
+        assert all(torch.equal(a, b) for step, torch_step in zip(losses, torch_losses) for a, b in zip(step, torch_step))
+        assert all(torch.equal(a, b) for a, b in zip(values, torch_values))
+
+
+def _trained_tensor_parallel_pipeline(impl):
+    """(pp=2, dp=2, tp=2): each block's MLP column- then row-parallel over tp, each block and stage
+    sharded over dp, Schedule1F1B."""
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    torch.manual_seed(0)
+    blocks = [Residual(hidden=16) for _ in range(4)]  # split evenly over tp: the stage's shape inference needs it
+    for block in blocks:
+        parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    with _recognised(impl):
+        schedule, modules, is_first, is_last = _pipeline(impl, "Schedule1F1B", blocks, _shard_blocks(impl, mesh["dp"]),
+                                                          mesh["pp"].get_group(), _mse)
+        optim = torch.optim.AdamW(modules[0].parameters(), lr=1e-2)
+        losses = []
+        for step in range(2):
+            generator = torch.Generator().manual_seed(100 * step + mesh["dp"].get_local_rank())
+            inputs, targets = torch.randn(2 * MICROBATCHES, DIM, generator=generator), torch.randn(2 * MICROBATCHES, DIM, generator=generator)
+            losses.append(_step(schedule, is_first, is_last, inputs, targets))
+            optim.step()
+            optim.zero_grad()
+        values = [param.full_tensor().detach() for param in modules[0].parameters()]
+    return losses, values
+
+
+def test_tensor_parallel_stages_train_as_torchs():
+    """Tensor parallelism inside the stages, on 8 ranks: bitwise torch's."""
+    ours = run_on_ranks(8, _trained_tensor_parallel_pipeline, "fsdp1")
+    torchs = run_on_ranks(8, _trained_tensor_parallel_pipeline, "torch")
+    for (losses, values), (torch_losses, torch_values) in zip(ours, torchs):
+        assert all(torch.equal(a, b) for step, torch_step in zip(losses, torch_losses) for a, b in zip(step, torch_step))
+        assert all(torch.equal(a, b) for a, b in zip(values, torch_values))
+
+
+def _warning_without_recognition():
+    import torch.distributed.pipelining  # noqa: F401 - the schedules, imported as a pipeline script would
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fsdp1.fully_shard(nn.Linear(4, 4))
+        with fsdp1.use_as_torch_fsdp():
+            fsdp1.fully_shard(nn.Linear(4, 4))
+    return [str(warning.message) for warning in caught]
+
+
+def test_schedules_that_do_not_recognise_fsdp1_are_named():
+    """Without ``use_as_torch_fsdp`` torch's schedules run fsdp1's modules as plain modules (a split
+    backward then computes no weight gradient): ``fully_shard`` says so once the schedules are
+    imported, and says nothing once they recognise fsdp1's modules."""
+    messages = run_on_ranks(2, _warning_without_recognition)[0]
+    assert len(messages) == 1
+    assert "use_as_torch_fsdp()" in messages[0]
