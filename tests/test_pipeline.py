@@ -261,21 +261,32 @@ def test_tensor_parallel_stages_train_as_torchs():
         assert all(torch.equal(a, b) for a, b in zip(values, torch_values))
 
 
-def _warning_without_recognition():
-    import torch.distributed.pipelining  # noqa: F401 - the schedules, imported as a pipeline script would
+def _warnings_of_plain_stages():
+    """The same 1F1B pipeline with fsdp1's modules, once unrecognised and once recognised: the
+    warnings each first step raised."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        fsdp1.fully_shard(nn.Linear(4, 4))
-        with fsdp1.use_as_torch_fsdp():
-            fsdp1.fully_shard(nn.Linear(4, 4))
-    return [str(warning.message) for warning in caught]
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    caught = []
+    for recognised in (False, True):
+        with fsdp1.use_as_torch_fsdp() if recognised else contextlib.nullcontext():
+            torch.manual_seed(0)
+            stage_module = fsdp1.fully_shard(nn.Sequential(Residual(), Residual()), mesh=mesh["dp"])
+            pp_rank = mesh["pp"].get_local_rank()
+            stage = PipelineStage(stage_module, pp_rank, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+            schedule = Schedule1F1B(stage, n_microbatches=MICROBATCHES, loss_fn=_mse)
+            with warnings.catch_warnings(record=True) as during_step:
+                warnings.simplefilter("always")
+                inputs = targets = torch.randn(2 * MICROBATCHES, DIM)
+                _step(schedule, pp_rank == 0, pp_rank == 1, inputs, targets)
+            caught.append([str(warning.message) for warning in during_step if "fsdp1" in str(warning.message)])
+    return caught
 
 
-def test_schedules_that_do_not_recognise_fsdp1_are_named():
+def test_stages_that_do_not_recognise_fsdp1_say_so():
     """Without ``use_as_torch_fsdp`` torch's schedules run fsdp1's modules as plain modules (a split
-    backward then computes no weight gradient): ``fully_shard`` says so once the schedules are
-    imported, and says nothing once they recognise fsdp1's modules."""
-    messages = run_on_ranks(2, _warning_without_recognition)[0]
-    assert len(messages) == 1
-    assert "use_as_torch_fsdp()" in messages[0]
+    backward then computes no weight gradient): the first forward under such a stage warns, naming
+    the fix, on every rank; recognised, nothing is said."""
+    for unrecognised, recognised in run_on_ranks(4, _warnings_of_plain_stages):
+        assert len(unrecognised) == 1 and "use_as_torch_fsdp()" in unrecognised[0]
+        assert recognised == []

@@ -71,7 +71,6 @@ def fully_shard(
     modules = list(module) if isinstance(module, list) else [module]
     if not modules:
         raise ValueError("fsdp1: fully_shard got an empty list of modules; pass the modules to shard as one group.")
-    _warn_if_pipelining_would_not_recognise()
     if len({id(each) for each in modules}) < len(modules):
         raise AssertionError(  # torch's type and phrase
             "Each distinct composable distributed API can only be applied to a module once. fsdp1: fully_shard got "
@@ -154,6 +153,8 @@ def fully_shard(
             register_fully_shard_hooks(each, handle, handle.views)
         each.__class__ = _fsdp_class(type(each))
         _register_as_fully_shard(each)
+    if _pipelining_would_not_recognise():
+        _UnrecognisedPipelineCheck(modules[0])
     return modules if isinstance(module, list) else module
 
 
@@ -167,19 +168,38 @@ def _rows_after_forward(layout: RowShardLayout, mesh: comm.DeviceMesh, group_siz
     return PostForwardRows(layout, comm.mesh_groups(regrouped)[1], RowSharding(regrouped, (Replicate(), Shard(0))))
 
 
-def _warn_if_pipelining_would_not_recognise() -> None:
-    """torch's pipeline schedules recognise a stage module by the ``FSDPModule`` they imported; not
-    recognised, they run fsdp1's modules as plain ones: gathered and reduced once per micro-batch, and
-    under a schedule that splits backward, with no weight gradient at all."""
+def _pipelining_would_not_recognise() -> bool:
+    """torch's pipeline stages are imported and bound torch's ``FSDPModule``, not fsdp1's."""
     stage = sys.modules.get("torch.distributed.pipelining.stage")
-    if stage is not None and getattr(stage, "FSDPModule", FSDPModule) is not FSDPModule:
-        warnings.warn(
-            "fsdp1: torch.distributed.pipelining is imported, and its schedules do not recognise fsdp1's fully_shard "
-            "modules: they would run them as plain modules, gathered and reduced once per micro-batch, and a schedule "
-            "that splits backward (zero-bubble, DualPipeV) would compute no weight gradient for them. Call "
-            "fsdp1.use_as_torch_fsdp() before building the pipeline stages.",
-            stacklevel=3,
-        )
+    return stage is not None and getattr(stage, "FSDPModule", FSDPModule) is not FSDPModule
+
+
+class _UnrecognisedPipelineCheck:
+    """A one-shot forward pre-hook: torch's pipeline stages recognise a stage module by the
+    ``FSDPModule`` they imported, and a stage that does not recognise fsdp1's runs it as a plain
+    module: gathered and reduced once per micro-batch, and under a schedule that splits backward with
+    no weight gradient at all. The first forward under such a stage says so. Registered only where
+    the stages are imported and would not recognise fsdp1's modules."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self._handle = module.register_forward_pre_hook(self)
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        self._handle.remove()
+        if not _pipelining_would_not_recognise():
+            return
+        stage_file = sys.modules["torch.distributed.pipelining.stage"].__file__
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code.co_filename != stage_file:
+            frame = frame.f_back  # type: ignore[assignment]  # None ends the walk
+        if frame is not None:
+            warnings.warn(
+                "fsdp1: a torch.distributed.pipelining stage runs this fully_shard module without recognising it: "
+                "it is gathered and reduced once per micro-batch, and a schedule that splits backward (zero-bubble, "
+                "DualPipeV) computes no weight gradient for it. Call fsdp1.use_as_torch_fsdp() before building the "
+                "pipeline stages.",
+                stacklevel=2,
+            )
 
 
 def _check_mesh(mesh: comm.DeviceMesh, dp_mesh_dims: Optional[DataParallelMeshDims]) -> None:
