@@ -2,10 +2,11 @@
 a (pp=2, dp=2) mesh, against torch's ``fully_shard`` doing the same: with ``use_as_torch_fsdp`` in
 effect the schedules recognise fsdp1's modules, keep them gathered and their gradients unreduced
 across the micro-batches and reduce once at the end of the step, so the losses, the parameters and
-the bytes gathered and reduced per step are torch's; a schedule that splits backward into an input
-and a weight pass is refused before any gradient reaches the optimizer. Also a Hugging Face GPT-2 cut
-into stages, tensor parallelism inside the stages on 8 ranks, and the warning for schedules that do
-not recognise fsdp1's modules."""
+the bytes gathered and reduced per step are torch's, the schedules that split backward into an
+input and a weight pass included; where such a split cannot reach the parameters (blocks resharded
+after forward, which torch's trains silently wrong) the step is refused. Also bf16, a Hugging Face
+GPT-2 cut into stages, tensor parallelism inside the stages on 8 ranks, and the warning for stages
+that do not recognise fsdp1's modules."""
 
 import contextlib
 import copy
@@ -27,6 +28,7 @@ from tools.benchmark import CommBytes
 DIM, MICROBATCHES, STEPS = 7, 4, 3
 WHOLE_BACKWARD = ["ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS"]
 SPLIT_BACKWARD = ["ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"]
+"""Every schedule torch 2.13 ships: these split backward into an input pass and a weight pass."""
 
 
 class Residual(nn.Module):
@@ -90,12 +92,14 @@ def _mse(output, target):
     return F.mse_loss(output, target)
 
 
-def _shard_blocks(impl, mesh, **kwargs):
+def _shard_blocks(impl, mesh, reshard_blocks=False, **kwargs):
+    """Each block sharded (kept gathered after forward, as torchtitan does under pipelining, unless
+    ``reshard_blocks``), then the stage."""
     fully_shard = fully_shard_of(impl)
 
     def shard(stage):
         for block in stage:
-            fully_shard(block, mesh=mesh, reshard_after_forward=False, **kwargs)
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard_blocks, **kwargs)
         return fully_shard(stage, mesh=mesh, **kwargs)
 
     return shard
@@ -106,15 +110,24 @@ def _recognised(impl):
     return fsdp1.use_as_torch_fsdp() if impl == "fsdp1" else contextlib.nullcontext()
 
 
-def _trained_pipeline(impl, schedule_name):
+def _mixed_precision(impl):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = fsdp1.MixedPrecisionPolicy if impl == "fsdp1" else MixedPrecisionPolicy
+    return {"mp_policy": policy(param_dtype=torch.bfloat16)}
+
+
+def _trained_pipeline(impl, schedule_name, variant="fp32"):
     """Three AdamW steps; per step the losses, then every parameter's full value and the bytes one
-    rank sent in the second step's gathers and reductions."""
+    rank sent in the second step's gathers and reductions. ``variant``: "bf16" (a bf16
+    ``MixedPrecisionPolicy``), "resharded" (blocks resharded after forward)."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     torch.manual_seed(0)
     blocks = [Residual() for _ in range(8)]
+    kwargs = _mixed_precision(impl) if variant == "bf16" else {}
+    shard = _shard_blocks(impl, mesh["dp"], reshard_blocks=variant == "resharded", **kwargs)
     with _recognised(impl):
-        schedule, modules, is_first, is_last = _pipeline(impl, schedule_name, blocks, _shard_blocks(impl, mesh["dp"]),
-                                                          mesh["pp"].get_group(), _mse)
+        schedule, modules, is_first, is_last = _pipeline(impl, schedule_name, blocks, shard, mesh["pp"].get_group(), _mse)
         optims = [torch.optim.AdamW(module.parameters(), lr=1e-2) for module in modules]
         dp_rank = mesh["dp"].get_local_rank()
         losses, sent = [], {}
@@ -133,13 +146,25 @@ def _trained_pipeline(impl, schedule_name):
     return losses, values, sum(sent.values())
 
 
-@pytest.mark.parametrize("schedule_name", WHOLE_BACKWARD)
-def test_whole_backward_schedules_train_as_torchs(schedule_name):
-    """Every schedule whose backwards are whole: losses and parameters bitwise torch's on every
-    rank, gathered once and reduced once per step, so no more bytes than torch's (fsdp1 without the
-    schedules' cooperation gathered and reduced once per micro-batch: 4.5 times torch's bytes here)."""
-    ours = run_on_ranks(4, _trained_pipeline, "fsdp1", schedule_name)
-    torchs = run_on_ranks(4, _trained_pipeline, "torch", schedule_name)
+@pytest.mark.parametrize("schedule_name", WHOLE_BACKWARD + SPLIT_BACKWARD)
+def test_schedules_train_as_torchs(schedule_name):
+    """Every schedule, the split ones included: losses and parameters bitwise torch's on every rank,
+    each stage gathered once and reduced once per step, so no more bytes than torch's (fsdp1 run as a
+    plain module gathered and reduced once per micro-batch: 4.5 times torch's bytes here)."""
+    _assert_trained_as_torchs(schedule_name, "fp32")
+
+
+@pytest.mark.parametrize("schedule_name, variant", [("Schedule1F1B", "bf16"), ("ScheduleInterleavedZeroBubble", "bf16"),
+                                                   ("Schedule1F1B", "resharded")])
+def test_schedule_variants_train_as_torchs(schedule_name, variant):
+    """A bf16 ``MixedPrecisionPolicy``; blocks resharded after forward (gathered again in backward)
+    under a schedule of whole backwards."""
+    _assert_trained_as_torchs(schedule_name, variant)
+
+
+def _assert_trained_as_torchs(schedule_name, variant):
+    ours = run_on_ranks(4, _trained_pipeline, "fsdp1", schedule_name, variant)
+    torchs = run_on_ranks(4, _trained_pipeline, "torch", schedule_name, variant)
     for (losses, values, sent), (torch_losses, torch_values, torch_sent) in zip(ours, torchs):
         assert len(losses) == STEPS and all(len(step) in (0, MICROBATCHES) for step in losses)
         assert all(torch.equal(a, b) for step, torch_step in zip(losses, torch_losses) for a, b in zip(step, torch_step))
@@ -152,32 +177,32 @@ def _split_backward_step(schedule_name):
     torch.manual_seed(0)
     blocks = [Residual() for _ in range(8)]
     with fsdp1.use_as_torch_fsdp():
-        schedule, _, is_first, is_last = _pipeline("fsdp1", schedule_name, blocks, _shard_blocks("fsdp1", mesh["dp"]),
-                                                   mesh["pp"].get_group(), _mse)
+        shard = _shard_blocks("fsdp1", mesh["dp"], reshard_blocks=True)
+        schedule, _, is_first, is_last = _pipeline("fsdp1", schedule_name, blocks, shard, mesh["pp"].get_group(), _mse)
         inputs = targets = torch.randn(2 * MICROBATCHES, DIM)
         _step(schedule, is_first, is_last, inputs, targets)
 
 
 @pytest.mark.parametrize("schedule_name", SPLIT_BACKWARD)
-def test_split_backward_is_refused_before_any_gradient(schedule_name):
-    """A schedule that splits backward into an input pass and a weight pass trained torch's
-    ``fully_shard`` right and fsdp1's silently wrong (no weight gradient from the split micro-batches):
-    its first step is refused before any gradient is reduced, naming the schedules that work (the
-    first rank to refuse ends the others' wait for its messages)."""
+def test_split_backward_over_resharded_blocks_is_refused(schedule_name):
+    """Blocks resharded after forward hold no parameters a split backward's weight pass can reach
+    (torch's ``fully_shard`` then trains 0.02 off its own 1F1B after one step, silently): the first
+    step is refused before any gradient is reduced, naming the fix (the first rank to refuse ends the
+    others' wait for its messages)."""
     with pytest.raises(RankFailure, match="splits backward into an input pass and a weight pass") as refused:
         run_on_ranks(4, _split_backward_step, schedule_name)
-    assert "Schedule1F1B" in str(refused.value)
+    assert "reshard_after_forward=False" in str(refused.value)
 
 
 class _GPT2Stage(nn.Module):
     """A cut of a Hugging Face GPT-2: the embeddings on the first stage, the final norm and the head on
-    the last, transformer blocks on both."""
+    the last, transformer blocks on every one."""
 
-    def __init__(self, model, first: bool, blocks) -> None:
+    def __init__(self, model, blocks, first: bool, last: bool) -> None:
         super().__init__()
         self.wte, self.wpe = (model.transformer.wte, model.transformer.wpe) if first else (None, None)
         self.blocks = nn.ModuleList(blocks)
-        self.ln_f, self.head = (None, None) if first else (model.transformer.ln_f, model.lm_head)
+        self.ln_f, self.head = (model.transformer.ln_f, model.lm_head) if last else (None, None)
 
     def forward(self, x):
         if self.wte is not None:
@@ -188,8 +213,8 @@ class _GPT2Stage(nn.Module):
         return x if self.head is None else self.head(self.ln_f(x))
 
 
-def _trained_gpt2(impl):
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+def _trained_gpt2(impl, schedule_name):
+    from torch.distributed.pipelining import PipelineStage, schedules
     from transformers import GPT2Config, GPT2LMHeadModel
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
@@ -198,32 +223,41 @@ def _trained_gpt2(impl):
     torch.manual_seed(0)
     model = GPT2LMHeadModel(config)
     pp_rank = mesh["pp"].get_local_rank()
-    first = pp_rank == 0
-    stage = _GPT2Stage(model, first, model.transformer.h[:2] if first else model.transformer.h[2:])
+    indices = _stage_indices(schedule_name, pp_rank, 2)
+    stage_count = 2 * len(indices)
+    per_stage = config.n_layer // stage_count
     fully_shard = fully_shard_of(impl)
     with _recognised(impl):
-        for block in stage.blocks:
-            fully_shard(block, mesh=mesh["dp"], reshard_after_forward=False)
-        fully_shard(stage, mesh=mesh["dp"])
-        schedule = Schedule1F1B(
-            PipelineStage(stage, pp_rank, 2, torch.device("cpu"), group=mesh["pp"].get_group()), n_microbatches=MICROBATCHES,
-            loss_fn=lambda logits, targets: F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
-        optim = torch.optim.AdamW(stage.parameters(), lr=1e-2)
+        stages, modules = [], []
+        for index in indices:
+            module = _GPT2Stage(model, model.transformer.h[index * per_stage:(index + 1) * per_stage], index == 0,
+                                index == stage_count - 1)
+            for block in module.blocks:
+                fully_shard(block, mesh=mesh["dp"], reshard_after_forward=False)
+            modules.append(fully_shard(module, mesh=mesh["dp"]))
+            stages.append(PipelineStage(module, index, stage_count, torch.device("cpu"), group=mesh["pp"].get_group()))
+        schedule_class = getattr(schedules, schedule_name)
+        single = issubclass(schedule_class, schedules.PipelineScheduleSingle)
+        schedule = schedule_class(stages[0] if single else stages, n_microbatches=MICROBATCHES,
+                                  loss_fn=lambda logits, targets: F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
+        optims = [torch.optim.AdamW(module.parameters(), lr=1e-2) for module in modules]
         losses = []
         for step in range(STEPS):
             tokens = torch.randint(0, 61, (2 * MICROBATCHES, 6), generator=torch.Generator().manual_seed(step + 10 * mesh["dp"].get_local_rank()))
-            losses.append(_step(schedule, first, not first, tokens, tokens))
-            optim.step()
-            optim.zero_grad()
-        values = [param.full_tensor().detach() for param in stage.parameters()]
+            losses.append(_step(schedule, 0 in indices, stage_count - 1 in indices, tokens, tokens))
+            for optim in optims:
+                optim.step()
+                optim.zero_grad()
+        values = [param.full_tensor().detach() for module in modules for param in module.parameters()]
     return losses, values
 
 
-def test_hugging_face_gpt2_stages_train_as_torchs():
-    """A GPT-2 cut into two stages (embeddings and blocks; blocks, norm and head), each block
-    sharded: three steps of Schedule1F1B bitwise torch's."""
-    ours = run_on_ranks(4, _trained_gpt2, "fsdp1")
-    torchs = run_on_ranks(4, _trained_gpt2, "torch")
+@pytest.mark.parametrize("schedule_name", ["Schedule1F1B", "ScheduleInterleavedZeroBubble"])
+def test_hugging_face_gpt2_stages_train_as_torchs(schedule_name):
+    """A GPT-2 cut into stages (embeddings and blocks; blocks; blocks, norm and head), each block
+    sharded: three steps bitwise torch's, with whole backwards and with split ones."""
+    ours = run_on_ranks(4, _trained_gpt2, "fsdp1", schedule_name)
+    torchs = run_on_ranks(4, _trained_gpt2, "torch", schedule_name)
     for (losses, values), (torch_losses, torch_values) in zip(ours, torchs):
         assert all(torch.equal(a, b) for step, torch_step in zip(losses, torch_losses) for a, b in zip(step, torch_step))
         assert all(torch.equal(a, b) for a, b in zip(values, torch_values))

@@ -40,7 +40,7 @@ import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tools.memory_estimator import ESTIMATED, estimate, fake_process_group, measure
-from tools.workload import ANCHOR, CPU_ANCHOR, CUDA_ONLY, VARIANTS, GPTSize, make_optimizer
+from tools.workload import ANCHOR, CPU_ANCHOR, CUDA_ONLY, VARIANTS, GPTSize, Pipelined, make_optimizer
 
 MIB = 2**20
 WARMUP_STEPS = 2
@@ -104,12 +104,18 @@ class Rank:
 
     def step(self, model, optim, i: int, phases: Optional[Dict[str, float]] = None) -> float:
         marks = [time.perf_counter()]
-        loss = self.size.loss(model, self.batches[i % len(self.batches)])
-        self._sync()
-        marks.append(time.perf_counter())
-        loss.backward()
-        self._sync()
-        marks.append(time.perf_counter())
+        batch = self.batches[i % len(self.batches)]
+        if isinstance(model, Pipelined):  # the schedule runs forward and backward together: all in fwd
+            loss = model.forward_backward(batch)
+            self._sync()
+            marks += [time.perf_counter()] * 2
+        else:
+            loss = self.size.loss(model, batch)
+            self._sync()
+            marks.append(time.perf_counter())
+            loss.backward()
+            self._sync()
+            marks.append(time.perf_counter())
         optim.step()
         optim.zero_grad(set_to_none=True)
         self._sync()
@@ -201,7 +207,7 @@ def minimum_comm_bytes(name: str, num_params: int, root_params: int, world_size:
     """Fewest bytes a rank must send (= receive) per step for the variant's strategy (fp32; the
     ``bf16`` variants gather 2 bytes a parameter and reduce in fp32)."""
     f = (world_size - 1) / world_size
-    if name.startswith("local") or name.endswith("_tp"):  # tensor parallelism moves activations too: no bound here
+    if name.startswith("local") or name.endswith(("_tp", "_pp")):  # TP moves activations; PP halves the model: no bound here
         return 0
     gathered = 2 if "bf16" in name else 4
     if "full" in name or name.endswith("fsdp2"):  # all-gather forward and backward (not the root's), reduce-scatter
@@ -218,7 +224,7 @@ def summarize(raw, size: GPTSize, world_size: int, predicted: Dict[str, Dict[str
         comm = raw["comm"][name]
         comm_bytes = sum(comm.values())  # bytes each kind of collective sent, counted over its own group
         minimum = minimum_comm_bytes(name, num_params, root_params, world_size)
-        sharded = name.endswith(("fsdp2", "fsdp2_tp")) or "full" in name or "grad_op" in name
+        sharded = name.endswith(("fsdp2", "fsdp2_tp", "fsdp2_pp")) or "full" in name or "grad_op" in name
         row = {
             "wall_ms": statistics.median(s[1] for s in samples) * 1e3,
             "cpu_ms": statistics.median(s[2] for s in samples) * 1e3,

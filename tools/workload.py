@@ -1,9 +1,10 @@
 """What the benchmark and the memory estimator run: the example's GPT at a chosen size, its batch and
 loss, and every wrapper variant, each wrapped with one unit per block plus the root."""
 
+import contextlib
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Dict
+from typing import Callable, ContextManager, Dict
 
 import torch
 from torch import nn
@@ -168,6 +169,83 @@ def _tensor_parallel(shard: Callable[..., nn.Module], model: nn.Module, device: 
     return shard(model, mesh=mesh["dp"])
 
 
+class Pipelined(nn.Module):
+    """The GPT cut into two pipeline stages over the ``pp`` dim of a (2, world / 2) mesh (embeddings and
+    the first half of the blocks; the rest, the final norm and the head), each block (kept gathered
+    across the micro-batches) and the stage sharded over ``dp`` by ``shard``, driven by torch's
+    ``Schedule1F1B`` with ``MICROBATCHES`` micro-batches. ``recognised`` is in effect while it is built
+    and while it steps: fsdp1's ``use_as_torch_fsdp``, so that the schedule recognises fsdp1's
+    modules, and for torch's nothing. A step is the schedule's (``forward_backward``); each rank
+    repeats its batch to one sequence per micro-batch and feeds it to its stage (the first takes the
+    inputs, the last the targets)."""
+
+    MICROBATCHES = 8
+
+    def __init__(self, model: nn.Module, device: torch.device, shard: Callable[..., nn.Module],
+                 recognised: Callable[[], ContextManager[object]]) -> None:
+        super().__init__()
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+        self._recognised = recognised
+        mesh = init_device_mesh(device.type, (2, torch.distributed.get_world_size() // 2), mesh_dim_names=("pp", "dp"))
+        self.is_first = mesh["pp"].get_local_rank() == 0
+        half = len(model.blocks) // 2
+        with recognised():
+            self.stage = _GPTStage(model, self.is_first, half).to(device)
+            for block in self.stage.blocks:
+                shard(block, mesh=mesh["dp"], reshard_after_forward=False)
+            shard(self.stage, mesh=mesh["dp"])
+            stage = PipelineStage(self.stage, mesh["pp"].get_local_rank(), 2, device, group=mesh["pp"].get_group())
+            self._schedule = Schedule1F1B(stage, n_microbatches=self.MICROBATCHES, loss_fn=self._loss)
+
+    @staticmethod
+    def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def forward_backward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """One schedule step; the mean of the micro-batches' losses on the last stage, zero on the first."""
+        tokens = tokens.repeat(-(-self.MICROBATCHES // tokens.shape[0]), 1)
+        losses: list = []
+        with self._recognised():
+            if self.is_first:
+                self._schedule.step(tokens[:, :-1])
+                return torch.zeros(())
+            self._schedule.step(target=tokens[:, 1:], losses=losses)
+        return torch.stack(losses).mean().detach()
+
+
+class _GPTStage(nn.Module):
+    """Half of the GPT: the embeddings and the first ``half`` blocks, or the other blocks, the final
+    norm and the head."""
+
+    def __init__(self, model: nn.Module, first: bool, half: int) -> None:
+        super().__init__()
+        self.first = first
+        self.embeddings = nn.ModuleList([model.tok, model.pos] if first else [])
+        self.blocks = nn.Sequential(*(list(model.blocks)[:half] if first else list(model.blocks)[half:]))
+        self.end = nn.ModuleList([] if first else [model.ln_f, model.head])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            tok, pos = self.embeddings
+            x = tok(x) + pos(torch.arange(x.shape[1], device=x.device))
+        x = self.blocks(x)
+        if not self.first:
+            ln_f, head = self.end
+            x = head(ln_f(x))
+        return x
+
+
+def forward_backward(size: GPTSize, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """One step's forward and backward, as the variant runs it; its loss."""
+    if isinstance(model, Pipelined):
+        return model.forward_backward(tokens)
+    loss = size.loss(model, tokens)
+    loss.backward()
+    return loss
+
+
 def _torch_fully_shard(*args, **kwargs) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
@@ -212,6 +290,8 @@ VARIANTS: Dict[str, Wrapper] = {
     "fsdp1_fsdp2": _fsdp1_fully_shard,
     "torch_fsdp2_tp": partial(_tensor_parallel, _torch_fully_shard),
     "fsdp1_fsdp2_tp": partial(_tensor_parallel, fsdp1.fully_shard),
+    "torch_fsdp2_pp": lambda model, device: Pipelined(model, device, _torch_fully_shard, contextlib.nullcontext),
+    "fsdp1_fsdp2_pp": lambda model, device: Pipelined(model, device, fsdp1.fully_shard, fsdp1.use_as_torch_fsdp),
 }
 """Every variant the benchmark measures; ``local`` is the model alone (the compute floor) and
 ``local_aa`` the same again, as the A/A noise control."""
@@ -221,7 +301,8 @@ ANCHOR = {"fsdp1_full": "torch_fsdp1_full", "fsdp1_full_orig": "torch_fsdp1_full
           "fsdp1_hybrid": "torch_fsdp1_hybrid", "fsdp1_frozen_orig": "torch_fsdp1_frozen_orig",
           "fsdp1_full_clip": "torch_fsdp1_full_clip", "fsdp1_full_bf16": "torch_fsdp1_full_bf16",
           "fsdp1_full_offload": "torch_fsdp1_full_offload", "fsdp1_full_hook": "torch_fsdp1_full_hook",
-          "fsdp1_fsdp2": "torch_fsdp2", "fsdp1_fsdp2_tp": "torch_fsdp2_tp", "local_aa": "local"}
+          "fsdp1_fsdp2": "torch_fsdp2", "fsdp1_fsdp2_tp": "torch_fsdp2_tp", "fsdp1_fsdp2_pp": "torch_fsdp2_pp",
+          "local_aa": "local"}
 """The variant each one is compared with, round by round."""
 
 CUDA_ONLY = {"torch_fsdp1_full_offload"}

@@ -285,8 +285,12 @@ class FlatGrad:
         """Autograd is about to assemble the unsharded gradient from these pieces' gradients: which
         parameters got one, for views that show None for the others."""
         if self._views.tracks_arrivals:
-            given = self._layout.params_given(piece_grads)
-            self._arrived = given if self._arrived is None else [a or b for a, b in zip(self._arrived, given)]
+            self.note_params_given(self._layout.params_given(piece_grads))
+
+    def note_params_given(self, given: Sequence[bool]) -> None:
+        """Which parameters got a gradient, by parameter (the resting Parameters' own)."""
+        if self._views.tracks_arrivals:
+            self._arrived = list(given) if self._arrived is None else [a or b for a, b in zip(self._arrived, given)]
 
     def keep_unreduced(self) -> None:
         """Inside ``no_sync``: leave the local gradient sum on ``flat_param.grad`` for later steps, or

@@ -32,7 +32,7 @@ from .layout import ParamLayout, alloc_storage, free_storage
 from .mixed_precision import HandlePrecision
 from .shard_conversions import ShardConversions
 from .traversal import ParamSlot
-from .views import FLAT_PARAM, FLATTENED, ParamViews
+from .views import FLAT_PARAM, FLATTENED, ParamViews, assign_grad
 
 
 class _FlatParameterMeta(type(nn.Parameter)):  # type: ignore[misc]  # a metaclass derived from a dynamic type
@@ -170,6 +170,7 @@ class FlatParamHandle:
         self._rows_after_forward = rows_after_forward
         self._forward_views: List[torch.Tensor] = []  # the last forward's, tied to autograd
         self._gathered_from: Optional[Tuple[torch.Tensor, int]] = None  # the shard and its version at the last gather
+        self.forward_on_resting_params = False  # the last forward computed on the views' resting Parameters
 
     # ----------------------------------------------------------------------------- construction and queries
     def _set_flat_param_metadata(self) -> None:
@@ -338,7 +339,9 @@ class FlatParamHandle:
 
     def use_unsharded_views(self) -> Optional[torch.autograd.graph.Node]:
         """Give the module views of the unsharded flat parameter, made under the caller's grad mode so
-        that autograd routes every original parameter's gradient into the flat parameter.
+        that autograd routes every original parameter's gradient into the flat parameter; or, where
+        the modules hold the unit's resting Parameters (the unit rests gathered: ``unshard()``, a
+        backward that kept it, an earlier forward on them), let the forward compute on those leaves.
 
         Returns the autograd node that will assemble the unsharded flat gradient from the views'
         gradients (None when no gradient will flow), so that the runtime can act just before that
@@ -349,6 +352,11 @@ class FlatParamHandle:
             if self.flat_param.requires_grad != any(requires_grad):
                 self.flat_param.requires_grad_(any(requires_grad))
             self.grad.respan(requires_grad)
+        resting = self.views.resting_params_shown(self._unsharded_buffer)
+        self.forward_on_resting_params = resting is not None
+        if resting is not None:  # their gradients join the flat one later (take_resting_grads)
+            self._forward_views = list(resting)
+            return None
         pieces = self.layout.split(self.flat_param)
         self._forward_views = self.layout.param_views(pieces)
         self.views.install(self._forward_views, as_parameters=self.views.as_parameters, through_setattr=True)
@@ -365,6 +373,33 @@ class FlatParamHandle:
         ``parameters()`` never yields a view; without it views of the gathered buffer outside
         autograd, which stay readable after an optimizer step changed the flat parameter in place."""
         self.views.show_resting(self._unsharded_buffer, self.layout)
+
+    def take_resting_grads(self, reduce_now: bool, reached: bool) -> bool:
+        """The gradients a backward (or a pipeline's weight pass) left on the resting Parameters a
+        forward computed on join the unit's gradient: when it is reduced now, or when it already
+        holds an unreduced sum, so that the micro-batches add up in the order they came, as on torch's
+        FSDP2 unsharded parameters. Otherwise they stay there, adding up. A backward ``reached`` the
+        unit that is reduced now also reduces a sum autograd added onto in place (the views of it the
+        resting Parameters show). Whether the unit has a gradient to reduce or keep now."""
+        grads = self.views.new_resting_grads()
+        new = grads is not None and any(grad is not None for grad in grads)
+        added_in_place = reduce_now and reached and self.forward_on_resting_params and self.grad.is_unreduced
+        if not ((new and (reduce_now or self.grad.is_unreduced)) or added_in_place):
+            return False
+        self.grad.begin_backward()
+        if grads is not None and new:
+            self.grad.note_params_given([grad is not None for grad in grads])
+            flat = self.flat_param.grad
+            if flat is None:
+                dtype = next(grad for grad in grads if grad is not None).dtype
+                flat = torch.zeros(self.layout.unsharded_numel, dtype=dtype, device=self.compute_device)
+            with torch.no_grad():
+                for view, grad in zip(self.layout.unflatten(flat), grads):
+                    if grad is not None:
+                        view.add_(grad)
+            assign_grad(self.flat_param, flat)
+        self.views.drop_resting_grads()
+        return True
 
     def keep_gathered_for_backward(self) -> None:
         """End of a forward after which the unit stays gathered for its backward (the root, SHARD_GRAD_OP):

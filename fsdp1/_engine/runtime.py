@@ -44,6 +44,10 @@ class Unit(UnitBuffers, Protocol):
     training_state: TrainingState
     awaits_reduction: bool
 
+    sync_gradients: bool
+
+    def take_resting_grads(self, reduce_now: bool) -> None: ...
+
     def reduce_and_reshard(self) -> None: ...
 
     def finish_backward(self) -> None: ...
@@ -262,6 +266,7 @@ class RootState(Generic[U]):
         the ranks' unit orders are compared."""
         with record_function("FSDP::post_backward_final_callback"):
             for unit in self.units:
+                unit.take_resting_grads(reduce_now=unit.sync_gradients)
                 if unit.awaits_reduction:
                     unit.reduce_and_reshard()
             self.finish_reductions()

@@ -425,6 +425,13 @@ class UnitState:
         for unit in self.schedule.backward_prefetches_after(self, state.order):
             _prefetch_for_backward(unit)
 
+    def take_resting_grads(self, reduce_now: bool) -> None:
+        """Gradients left on the resting Parameters a forward computed on join the unit's gradient
+        (see ``FlatParamHandle.take_resting_grads``), which then awaits its reduction."""
+        reached = self.training_state is TrainingState.FORWARD_BACKWARD
+        if self.handle is not None and self.handle.take_resting_grads(reduce_now, reached):
+            self.awaits_reduction = True
+
     @property
     def _reshards_after_backward(self) -> bool:
         return self.schedule.reshards_after_backward(self.sync_gradients)
@@ -435,7 +442,8 @@ class UnitState:
         handle = self.handle
         if handle is not None:
             if (not self.sync_gradients and self.training_state is TrainingState.FORWARD_BACKWARD
-                    and handle.flat_param.requires_grad and not handle.grad.arrived_this_backward):
+                    and handle.flat_param.requires_grad and not handle.grad.arrived_this_backward
+                    and not handle.forward_on_resting_params):
                 self.missed_parameters = True  # a pipeline schedule's input pass (autograd.grad over the inputs)
             if self._reshards_after_backward:
                 handle.reshard()

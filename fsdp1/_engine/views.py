@@ -210,6 +210,21 @@ class ParamViews(ABC):
         """The parameters' requires_grad now, if it changed since the last call (else None)."""
         return None
 
+    def resting_params_shown(self, unsharded: torch.Tensor) -> Optional[List[nn.Parameter]]:
+        """The unsharded Parameters over ``unsharded`` the modules hold while the unit rests gathered,
+        if they hold them now and a forward may compute on them as leaves of the autograd graph (the
+        same objects every time, as torch's FSDP2 keeps them: a pipeline's weight pass, run after later
+        forwards, reaches the ones each forward computed on). None: the forward computes on views of
+        the flat parameter."""
+        return None
+
+    def new_resting_grads(self) -> Optional[List[Optional[torch.Tensor]]]:
+        """The gradients a backward or a pipeline's weight pass left on those Parameters, by parameter."""
+        return None
+
+    def drop_resting_grads(self) -> None:
+        """Those gradients joined the unit's flat gradient."""
+
     def take_user_changes(self, is_gathered_for_backward: bool, layout: ParamLayout) -> bool:
         """Take into the shard what the user assigned to an original parameter; whether any was."""
         return False

@@ -52,6 +52,11 @@ class DTensorParamViews(OrigParamViews):
         self._awaiting_values: Set[int] = set()  # materialised off the meta device for others, never given values
         self._member_paths: Dict[int, str] = {}  # a group of several modules: each one's modules' path, by id
         self._made_for_compute: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}  # by parameter: (view, its DTensor)
+        # The unsharded Parameters the unit rests gathered with, and the buffer they view: the same
+        # objects every time, so that autograd accumulates every forward's gradient on them.
+        self._resting: Optional[Tuple[torch.Tensor, List[nn.Parameter]]] = None
+        self._shows_resting = False  # the modules hold them now
+        self._shown_unreduced: List[Optional[torch.Tensor]] = []  # by parameter: the views of the unreduced sum on their .grad
 
     def install_initial(self, flat_param: nn.Parameter, shard: torch.Tensor, unsharded: torch.Tensor, layout: ParamLayout) -> None:
         """Each original becomes a DTensor viewing its part of the shard; one whose tensor defines an
@@ -135,6 +140,8 @@ class DTensorParamViews(OrigParamViews):
         super().install([self._computing(index, tensor) for index, tensor in enumerate(tensors)], as_parameters, through_setattr)
         # what the modules hold now (a frozen parameter's view was detached on the way in)
         self._installed = [cast(torch.Tensor, slot.module._parameters[slot.attr]) for slot in self.slots]
+        resting = self._resting[1] if self._resting is not None else []
+        self._shows_resting = len(resting) == len(tensors) and all(a is b for a, b in zip(tensors, resting))
 
     def _computing(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
         """What the module computes on for ``tensor``, a view the forward tied to autograd. The same
@@ -176,18 +183,63 @@ class DTensorParamViews(OrigParamViews):
     def _show_originals(self) -> None:
         super()._show_originals()
         self._installed = None
+        self._shows_resting = False
 
     def show_resting(self, unsharded: torch.Tensor, layout: ParamLayout) -> None:
         """Gathered outside a computation (``unshard()``, ``set_reshard_after_backward(False)``): the
-        unsharded parameters, as Parameters outside autograd, as torch's FSDP2 registers them."""
-        self._install_full(layout.unflatten(unsharded.detach()))
+        unsharded parameters, as Parameters outside autograd, as torch's FSDP2 registers them; the
+        same objects each time where the next forward may compute on them (``resting_params_shown``)."""
+        if self._computes_on_resting_params():
+            self.install(self._resting_params(unsharded, layout), as_parameters=True)
+        else:
+            self._install_full(layout.unflatten(unsharded.detach()))
 
     def show_kept_gathered(self) -> None:
         """After a forward the unit stays gathered for: the unsharded parameters as leaf Parameters
         outside autograd (the forward's views saved what backward needs), as torch's FSDP2 registers
-        them, so that ``requires_grad_`` and optimizers see Parameters."""
+        them, so that ``requires_grad_`` and optimizers see Parameters. A forward that computed on the
+        resting Parameters leaves them."""
         assert self._installed is not None, "a forward installed its views"
-        self._install_full([view.detach() for view in self._installed])
+        if not self._shows_resting:
+            self._install_full([view.detach() for view in self._installed])
+
+    def _computes_on_resting_params(self) -> bool:
+        """Whether a forward may compute on the resting Parameters themselves: not where it computes on
+        a tensor-parallel DTensor made over a gathered view, nor on what an all-gather extension made."""
+        return all(sharding.computing is None for sharding in self.shardings) and not any(
+            has_extension(local) for local in self._resting_views)
+
+    def _resting_params(self, unsharded: torch.Tensor, layout: ParamLayout) -> List[nn.Parameter]:
+        """The resting Parameters over ``unsharded``: made once (again when the buffer or what is
+        trainable changed); the buffer's storage is freed and refilled under them."""
+        requires_grad = list(self.requires_grad)
+        if (self._resting is None or self._resting[0] is not unsharded
+                or [param.requires_grad for param in self._resting[1]] != requires_grad):
+            views = layout.unflatten(unsharded.detach())
+            self._resting = (unsharded, [_param_over(view, trainable) for view, trainable in zip(views, requires_grad)])
+        return self._resting[1]
+
+    def resting_params_shown(self, unsharded: torch.Tensor) -> Optional[List[nn.Parameter]]:
+        if not self._shows_resting or self._resting is None or self._resting[0] is not unsharded:
+            return None
+        if [param.requires_grad for param in self._resting[1]] != list(self.requires_grad):
+            return None  # frozen or unfrozen since: the forward's views follow what is trainable now
+        return self._resting[1]
+
+    def new_resting_grads(self) -> Optional[List[Optional[torch.Tensor]]]:
+        """What is on the resting Parameters' ``.grad`` but not a view of the unreduced sum shown there
+        (autograd accumulated into those in place)."""
+        if self._resting is None:
+            return None
+        shown = self._shown_unreduced or [None] * len(self._resting[1])
+        return [None if param.grad is None or param.grad is view else param.grad
+                for param, view in zip(self._resting[1], shown)]
+
+    def drop_resting_grads(self) -> None:
+        self._shown_unreduced = []
+        if self._resting is not None:
+            for param in self._resting[1]:
+                param.grad = None
 
     def take_user_changes(self, is_gathered_for_backward: bool, layout: ParamLayout) -> bool:
         """A DTensor Parameter assigned in an original's place (``load_state_dict(assign=True)``,
@@ -256,6 +308,8 @@ class DTensorParamViews(OrigParamViews):
         rank. Then the post-accumulate-grad hooks of those the last backward reached run, with the
         reduced gradient in place (optimizer-in-backward)."""
         assert grad is None or grad._base is None, "the DTensor gradients' views keep their base alive"
+        if self._shown_unreduced:  # that sum was reduced: its views would keep it alive
+            self.drop_resting_grads()
         self._grad = None if grad is None else weakref.ref(grad)
         self._grad_layout = (layout, start)
         self._grads_shown = []
@@ -283,14 +337,18 @@ class DTensorParamViews(OrigParamViews):
     def show_unreduced_grads(self, flat_grad: Optional[torch.Tensor], layout: ParamLayout) -> None:
         """An unsynchronised backward leaves no ``.grad`` on the sharded parameters, as torch's FSDP2:
         the unreduced sum stays with the unit until a backward synchronises it, and shows on the
-        unsharded parameters if the unit stays gathered."""
+        unsharded parameters if the unit stays gathered. On resting Parameters autograd then adds the
+        next micro-batch's gradient onto those views in place, so into the sum, in torch's order."""
         self._grad, self._grads_shown = None, []
         for slot in self.slots:
             slot.live_param.grad = None
+        self._shown_unreduced = []
         if self._installed is not None:
             grads = layout.unflatten(flat_grad) if flat_grad is not None else [None] * len(self.slots)
             for param, grad, requires_grad, sharding in zip(self._installed, grads, self.requires_grad, self.shardings):
                 param.grad = sharding.shown_unsharded(grad) if requires_grad and grad is not None else None
+            if self._shows_resting:  # autograd adds the next micro-batch onto these views, in place
+                self._shown_unreduced = [param.grad for param in self._installed]
 
     def every_grad_dropped(self) -> bool:
         return False  # a zero_grad() between unsynchronised backwards leaves their sum, as torch's FSDP2
@@ -346,6 +404,15 @@ class DTensorParamViews(OrigParamViews):
 
     def adopt_replaced(self, exposed: List[nn.Parameter], registered: List[nn.Parameter]) -> None:
         pass  # the values were written back; the originals stay the DTensors the optimizer holds
+
+
+def _param_over(view: torch.Tensor, requires_grad: bool) -> nn.Parameter:
+    """A Parameter viewing ``view``'s storage with a version counter of its own, as the flat parameter
+    has: a gather refilling the buffer (the same values) must not look to autograd like a change of
+    what a forward saved."""
+    param = nn.Parameter(view.new_empty(0), requires_grad=requires_grad)
+    param.data = view
+    return param
 
 
 def _sharded_part(value: torch.Tensor, layout: ParamLayout, index: int) -> torch.Tensor:

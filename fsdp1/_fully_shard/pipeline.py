@@ -9,6 +9,10 @@ micro-batch's gradient to its unreduced sum. At the end of the step it turns bot
 parameter group it finds through ``_state_ctx.all_states[i]._fsdp_param_groups``, then
 ``_root_post_backward_final_callback()``. Those are torch's names; ``StageReduction`` answers to
 them, with the stage module's units as its one group.
+
+A schedule that splits backward runs a weight pass after later forwards, on the parameters the
+modules hold: a unit resting gathered computes on resting Parameters that stay registered (see
+``DTensorParamViews``), whose gradients join the unit's here.
 """
 
 from typing import Tuple
@@ -43,23 +47,27 @@ class StageReduction:
         gradient as it was.
 
         A schedule that splits backward into an input pass and a weight pass (the zero-bubble and
-        DualPipeV schedules) computes the weight gradients through the parameters the modules hold,
-        as separate leaves of the autograd graph; fsdp1's units compute on views of one flat
-        parameter, so the weight pass cannot reach them. That step is refused here, before any
-        gradient is handed to an optimizer, and undone: every unit sharded, its
-        gradient as before the step."""
+        DualPipeV schedules) computes the weight gradients on the parameters the modules hold after
+        the forward. A unit that rests gathered computes on resting Parameters that stay registered,
+        which that pass reaches; one resharded after forward (or computing on tensor-parallel
+        DTensors, or on what an all-gather extension made) computed on views it no longer holds. That
+        step is refused here, before any gradient is handed to an optimizer, and undone: every unit
+        sharded, its gradient as before the step."""
         missed = [unit.path or "the stage module" for unit in self._units if unit.missed_parameters]
         if missed:
             self._root.root_state.recover()  # every unit sharded, its gradient as before the step
             raise NotImplementedError(
-                f"fsdp1: the pipeline schedule's backward reached the outputs of {missed} but not their parameters, "
-                "which a schedule that splits backward into an input pass and a weight pass does "
-                "(ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV): fsdp1's fully_shard "
-                "modules cannot give that weight pass their parameters, so the step was undone before any "
-                "gradient was reduced. Use a schedule that runs whole backwards (ScheduleGPipe, Schedule1F1B, "
-                "ScheduleInterleaved1F1B, ScheduleLoopedBFS)."
+                f"fsdp1: the pipeline schedule's backward reached the outputs of {missed} but not their parameters: "
+                "a schedule that splits backward into an input pass and a weight pass (ScheduleInterleavedZeroBubble, "
+                "ScheduleZBVZeroBubble, ScheduleDualPipeV) computes the weight gradients on the parameters the modules "
+                "hold after the forward, and these were resharded after it (or compute on tensor-parallel DTensors or "
+                "all-gather extensions), so the step was undone before any gradient was reduced. Pass "
+                "reshard_after_forward=False to fully_shard for the modules of pipeline stages (torch's fully_shard "
+                "trains this case silently wrong), or use a schedule that runs whole backwards (ScheduleGPipe, "
+                "Schedule1F1B, ScheduleInterleaved1F1B, ScheduleLoopedBFS)."
             )
         for unit in self._units:
+            unit.take_resting_grads(reduce_now=True)  # what the micro-batches left on the resting Parameters
             if unit.handle is not None and unit.handle.grad.is_unreduced:
                 unit.handle.grad.begin_backward()
                 unit.awaits_reduction = True
