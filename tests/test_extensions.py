@@ -2,8 +2,8 @@
 ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` is gathered through them, against torch's
 ``fully_shard`` doing the same: hooks set on a local tensor after sharding (as torch's own tests set
 them), with their call counts, on a 1-D and an HSDP mesh; and real ones, torchao's int8 weight-only
-quantized training with its ``_AdamW`` and its float8 training with float8 all-gathers, trained
-bitwise as torch's."""
+quantized training with its ``_AdamW``, its float8 training with float8 all-gathers and QLoRA (frozen
+NF4 base weights with LoRA adapters), trained bitwise as torch's."""
 
 import functools
 import warnings
@@ -145,6 +145,57 @@ def test_torchao_float8_training_with_float8_gathers_trains_as_under_torchs():
     for same, kind in run_on_ranks(2, _float8_as_torchs):
         assert same
         assert kind == "WeightWithDynamicFloat8CastTensor"
+
+
+class _QLoRALinear(nn.Module):
+    """A frozen base weight quantized to torchao's NF4 with LoRA adapters beside it, as torchtune's
+    QLoRA recipe builds its linear layers (and then applies ``fully_shard`` to them)."""
+
+    def __init__(self, in_features, out_features, rank=4):
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+        super().__init__()
+        self.weight = nn.Parameter(to_nf4(torch.randn(out_features, in_features) * 0.05, block_size=64, scaler_block_size=64),
+                                   requires_grad=False)
+        self.lora_a = nn.Linear(in_features, rank, bias=False)
+        self.lora_b = nn.Linear(rank, out_features, bias=False)
+
+    def forward(self, x):
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
+
+        return linear_nf4(x, self.weight) + self.lora_b(self.lora_a(x))
+
+
+def _trained_qlora(impl, reshard_after_forward):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        blocks = [nn.Sequential(_QLoRALinear(64, 128), nn.ReLU(), _QLoRALinear(128, 64)) for _ in range(2)]
+    model = nn.Sequential(*blocks)
+    shard = fully_shard_of(impl)
+    for block in model:
+        shard(block, reshard_after_forward=reshard_after_forward)
+    shard(model)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    losses = _trained(model, torch.optim.AdamW(trainable, lr=1e-2), 64)
+    base = model[0][0].weight.to_local()
+    return (losses, type(base).__name__, [p.full_tensor().detach() for p in trainable],
+            base.quantized_data.clone(), base.quantized_scalers.clone())
+
+
+def _qlora_as_torchs(reshard_after_forward):
+    ours = _trained_qlora("fsdp1", reshard_after_forward)
+    return same_values(ours, _trained_qlora("torch", reshard_after_forward)), ours[1]
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_torchao_nf4_frozen_weights_with_lora_train_as_under_torchs(reshard_after_forward):
+    """QLoRA: NF4 base weights, frozen, sharded by their own tensor operations as torch's shards them
+    and gathered through their extension, with trainable LoRA adapters beside them: losses, adapters
+    and the NF4 shards bitwise torch's."""
+    for same, kind in run_on_ranks(2, _qlora_as_torchs, reshard_after_forward):
+        assert same
+        assert kind == "NF4Tensor"
 
 
 def _one_hook_only(impl):

@@ -417,15 +417,19 @@ def _param_over(view: torch.Tensor, requires_grad: bool) -> nn.Parameter:
 
 def _sharded_part(value: torch.Tensor, layout: ParamLayout, index: int) -> torch.Tensor:
     """This rank's part of ``value`` as torch's FSDP2 makes it for a tensor of its own (a subclass's
-    operations do the work): a zero tensor of the padded chunk's size, the held slices copied in,
-    viewed without the padding."""
+    operations do the work, the ones torch's calls: ``chunk``, ``new_zeros``, a copy into the part
+    from its start): a zero tensor of the padded chunk's size, this rank's chunk copied in, viewed
+    without the padding. (torchao's NF4 weights slice only from a start of 0.)"""
     dim = layout.shard_dims[index]
     start, end = layout.held_rows(index)
+    chunks = torch.chunk(value, layout.world_size, dim=dim)
     padded = list(value.shape)
-    padded[dim] = -(-value.shape[dim] // layout.world_size)
+    padded[dim] = chunks[0].shape[dim]
     part = value.new_zeros(padded)
     if end > start:
-        part.narrow(dim, 0, end - start).copy_(value.narrow(dim, start, end - start))
+        held = chunks[start // padded[dim]]
+        assert held.shape[dim] == end - start, "torch.chunk splits as the rows layout does"
+        part.narrow(dim, 0, end - start).copy_(held)
     return part.narrow(dim, 0, end - start)
 
 
