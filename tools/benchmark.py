@@ -207,7 +207,7 @@ def minimum_comm_bytes(name: str, num_params: int, root_params: int, world_size:
     """Fewest bytes a rank must send (= receive) per step for the variant's strategy (fp32; the
     ``bf16`` variants gather 2 bytes a parameter and reduce in fp32)."""
     f = (world_size - 1) / world_size
-    if name.startswith("local") or name.endswith(("_tp", "_pp")):  # TP moves activations; PP halves the model: no bound here
+    if name.startswith("local") or name.endswith(("_tp", "_pp", "_float8")):  # TP moves activations; PP halves the model; float8 gathers 1 byte a weight: no bound here
         return 0
     gathered = 2 if "bf16" in name else 4
     if "full" in name or name.endswith("fsdp2"):  # all-gather forward and backward (not the root's), reduce-scatter
@@ -224,7 +224,7 @@ def summarize(raw, size: GPTSize, world_size: int, predicted: Dict[str, Dict[str
         comm = raw["comm"][name]
         comm_bytes = sum(comm.values())  # bytes each kind of collective sent, counted over its own group
         minimum = minimum_comm_bytes(name, num_params, root_params, world_size)
-        sharded = name.endswith(("fsdp2", "fsdp2_tp", "fsdp2_pp")) or "full" in name or "grad_op" in name
+        sharded = "fsdp2" in name or "full" in name or "grad_op" in name
         row = {
             "wall_ms": statistics.median(s[1] for s in samples) * 1e3,
             "cpu_ms": statistics.median(s[2] for s in samples) * 1e3,

@@ -169,6 +169,21 @@ def _tensor_parallel(shard: Callable[..., nn.Module], model: nn.Module, device: 
     return shard(model, mesh=mesh["dp"])
 
 
+def _float8(shard: Callable[[nn.Module, torch.device], nn.Module], model: nn.Module, device: torch.device) -> nn.Module:
+    """torchao's float8 training with float8 all-gathers: every Linear computes in float8 and its
+    weight casts itself to float8 before the gather (emulated where the device has no float8 matmul),
+    then the blocks and the root are sharded by ``shard``."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    emulate = device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9)
+    convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=emulate))
+    return shard(model, device)
+
+
 class Pipelined(nn.Module):
     """The GPT cut into two pipeline stages over the ``pp`` dim of a (2, world / 2) mesh (embeddings and
     the first half of the blocks; the rest, the final norm and the head), each block (kept gathered
@@ -290,6 +305,8 @@ VARIANTS: Dict[str, Wrapper] = {
     "fsdp1_fsdp2": _fsdp1_fully_shard,
     "torch_fsdp2_tp": partial(_tensor_parallel, _torch_fully_shard),
     "fsdp1_fsdp2_tp": partial(_tensor_parallel, fsdp1.fully_shard),
+    "torch_fsdp2_float8": partial(_float8, _torch_fsdp2),
+    "fsdp1_fsdp2_float8": partial(_float8, _fsdp1_fully_shard),
     "torch_fsdp2_pp": lambda model, device: Pipelined(model, device, _torch_fully_shard, contextlib.nullcontext),
     "fsdp1_fsdp2_pp": lambda model, device: Pipelined(model, device, fsdp1.fully_shard, fsdp1.use_as_torch_fsdp),
 }
@@ -302,6 +319,7 @@ ANCHOR = {"fsdp1_full": "torch_fsdp1_full", "fsdp1_full_orig": "torch_fsdp1_full
           "fsdp1_full_clip": "torch_fsdp1_full_clip", "fsdp1_full_bf16": "torch_fsdp1_full_bf16",
           "fsdp1_full_offload": "torch_fsdp1_full_offload", "fsdp1_full_hook": "torch_fsdp1_full_hook",
           "fsdp1_fsdp2": "torch_fsdp2", "fsdp1_fsdp2_tp": "torch_fsdp2_tp", "fsdp1_fsdp2_pp": "torch_fsdp2_pp",
+          "fsdp1_fsdp2_float8": "torch_fsdp2_float8",
           "local_aa": "local"}
 """The variant each one is compared with, round by round."""
 
