@@ -15,7 +15,7 @@ import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -272,16 +272,17 @@ def _forkserver():
     if _context is None:
         _context = multiprocessing.get_context("forkserver")
         # torch._dynamo too: the first optimizer step imports it, 1.5 s of every case otherwise.
-        _context.set_forkserver_preload(["torch", "torch._dynamo", "fsdp1", "_fuzz"])
+        _context.set_forkserver_preload(["torch", "torch._dynamo", "fsdp1", "_fuzz", "_fuzz_stack"])
     return _context
 
 
-def run_case(case: Dict[str, Any], deadline_s: float = 45) -> Dict[str, Any]:
-    """Every rank's outcome, or ``{"hang": ranks}`` (killed at the deadline) / ``{"crash": ranks}``
-    (ended without an outcome)."""
+def run_case(case: Dict[str, Any], deadline_s: float = 45, target: Callable[[int, Dict[str, Any], str], None] = rank_main
+             ) -> Dict[str, Any]:
+    """Every rank's outcome of ``target`` (each rank's run; this module's by default), or
+    ``{"hang": ranks}`` (killed at the deadline) / ``{"crash": ranks}`` (ended without an outcome)."""
     context = _forkserver()
     with tempfile.TemporaryDirectory() as out:
-        procs = [context.Process(target=rank_main, args=(rank, case, out), daemon=True)
+        procs = [context.Process(target=target, args=(rank, case, out), daemon=True)
                  for rank in range(case["world_size"])]
         for proc in procs:
             proc.start()

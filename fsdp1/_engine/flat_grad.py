@@ -287,6 +287,10 @@ class FlatGrad:
         if self._views.tracks_arrivals:
             self.note_params_given(self._layout.params_given(piece_grads))
 
+    def sums_apart(self, dtype: torch.dtype) -> bool:
+        """Whether unreduced gradients of ``dtype`` add up apart, in ``reduce_dtype`` (``keep_unreduced``)."""
+        return self.precision.accumulates_in_reduce_dtype and dtype != self.precision.reduce_dtype
+
     def note_params_given(self, given: Sequence[bool]) -> None:
         """Which parameters got a gradient, by parameter (the resting Parameters' own)."""
         if self._views.tracks_arrivals:
@@ -298,12 +302,11 @@ class FlatGrad:
         ``reduce_dtype``, so that the micro-batches add up without rounding to ``param_dtype``."""
         self._move(GradPhase.LOCAL_BACKWARD)
         grad = self._flat_param.grad
-        reduce_dtype = self.precision.reduce_dtype
-        if grad is None or not self.precision.accumulates_in_reduce_dtype or grad.dtype == reduce_dtype:
+        if grad is None or not self.sums_apart(grad.dtype):
             return
         self._flat_param.grad = None
         if self._unreduced_sum is None:
-            self._unreduced_sum = grad.to(reduce_dtype)
+            self._unreduced_sum = grad.to(self.precision.reduce_dtype)
         else:
             self._unreduced_sum += grad
 
@@ -313,11 +316,11 @@ class FlatGrad:
         it is finished."""
         if self.phase not in _IN_BACKWARD:
             raise RuntimeError(f"fsdp1 internal error: unit '{self.path}' reduced its gradient in phase {self.phase.name}")
-        grad = self._flat_param.grad
+        grad, unreduced_sum = self._flat_param.grad, self._unreduced_sum
+        self._flat_param.grad = self._unreduced_sum = None
+        if unreduced_sum is not None:  # alone where the last backward's gradient joined it already
+            grad = unreduced_sum if grad is None else unreduced_sum.add_(grad)
         assert grad is not None, "the post-backward hook runs once autograd has accumulated the gradient"
-        self._flat_param.grad = None
-        if self._unreduced_sum is not None:
-            grad, self._unreduced_sum = self._unreduced_sum.add_(grad), None
         hook = self.settings.comm_hook
         casts_itself = hook is not None and hook.casts_itself
         if grad.dtype != self.precision.reduce_dtype and not self._in_full_precision() and not casts_itself:

@@ -376,23 +376,23 @@ class FlatParamHandle:
 
     def take_resting_grads(self, reduce_now: bool, reached: bool) -> bool:
         """The gradients a backward (or a pipeline's weight pass) left on the resting Parameters a
-        forward computed on join the unit's gradient: when it is reduced now, or when it already
-        holds an unreduced sum, so that the micro-batches add up in the order they came, as on torch's
-        FSDP2 unsharded parameters. Otherwise they stay there, adding up. A backward ``reached`` the
+        forward computed on join the unit's gradient: when it is reduced now, when it already holds an
+        unreduced sum, or when unreduced sums add up apart in ``reduce_dtype``, so that the
+        micro-batches add up in the order and precision they do on torch's FSDP2 unsharded
+        parameters (which move theirs at each post-backward). Otherwise they stay there, adding up. A backward ``reached`` the
         unit that is reduced now also reduces a sum autograd added onto in place (the views of it the
         resting Parameters show). Whether the unit has a gradient to reduce or keep now."""
         grads = self.views.new_resting_grads()
-        new = grads is not None and any(grad is not None for grad in grads)
+        given = [] if grads is None else [grad for grad in grads if grad is not None]
         added_in_place = reduce_now and reached and self.forward_on_resting_params and self.grad.is_unreduced
-        if not ((new and (reduce_now or self.grad.is_unreduced)) or added_in_place):
+        if not ((given and (reduce_now or self.grad.is_unreduced or self.grad.sums_apart(given[0].dtype))) or added_in_place):
             return False
         self.grad.begin_backward()
-        if grads is not None and new:
+        if grads is not None and given:
             self.grad.note_params_given([grad is not None for grad in grads])
             flat = self.flat_param.grad
             if flat is None:
-                dtype = next(grad for grad in grads if grad is not None).dtype
-                flat = torch.zeros(self.layout.unsharded_numel, dtype=dtype, device=self.compute_device)
+                flat = torch.zeros(self.layout.unsharded_numel, dtype=given[0].dtype, device=self.compute_device)
             with torch.no_grad():
                 for view, grad in zip(self.layout.unflatten(flat), grads):
                     if grad is not None:
