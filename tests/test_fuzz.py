@@ -17,12 +17,12 @@ wherever torch's runs it, fsdp1's losses and parameters are torch's bit for bit.
 
 import os
 
+import _fuzz_stack
 import pytest
 import torch
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
-import _fuzz_stack
 from _fuzz import replay, run_case
 
 EXAMPLES = int(os.environ.get("FSDP1_FUZZ_EXAMPLES", "30"))
