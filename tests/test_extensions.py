@@ -5,6 +5,7 @@ them), with their call counts, on a 1-D and an HSDP mesh; and real ones, torchao
 quantized training with its ``_AdamW``, its float8 training with float8 all-gathers and QLoRA (frozen
 NF4 base weights with LoRA adapters), trained bitwise as torch's."""
 
+import contextlib
 import functools
 import warnings
 
@@ -117,32 +118,43 @@ def test_torchao_int8_training_weights_train_as_under_torchs():
         assert kind == "Int8QuantizedTrainingLinearWeight"
 
 
-def _trained_float8(impl):
+def _trained_float8(impl, on_meta=False):
     """torchao's float8 training with its float8 all-gather: the weights cast themselves to float8
-    before the gather, which gloo moves as bytes."""
+    before the gather, which gloo moves as bytes. ``on_meta``: built on the meta device, sharded,
+    then materialised (``to_empty``) and initialised before training."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+    with torch.device("meta") if on_meta else contextlib.nullcontext():
+        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
     convert_to_float8_training(model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
     shard = fully_shard_of(impl)
     shard(model[0])
     shard(model[2])
     shard(model)
+    if on_meta:
+        model.to_empty(device="cpu")
+        torch.manual_seed(0)
+        for param in model.parameters():
+            nn.init.trunc_normal_(param, std=0.1)
     losses = _trained(model, torch.optim.AdamW(model.parameters(), lr=1e-2), 32)
     weight = model[0].weight.to_local()
     return losses, type(weight).__name__, [p.to_local().detach().as_subclass(torch.Tensor).clone() for p in model.parameters()]
 
 
-def _float8_as_torchs():
-    ours = _trained_float8("fsdp1")
-    return same_values(ours, _trained_float8("torch")), ours[1]
+def _float8_as_torchs(on_meta):
+    ours = _trained_float8("fsdp1", on_meta)
+    return same_values(ours, _trained_float8("torch", on_meta)), ours[1]
 
 
-def test_torchao_float8_training_with_float8_gathers_trains_as_under_torchs():
-    for same, kind in run_on_ranks(2, _float8_as_torchs):
+@pytest.mark.parametrize("on_meta", [False, True], ids=["built", "meta-initialised"])
+def test_torchao_float8_training_with_float8_gathers_trains_as_under_torchs(on_meta):
+    """Built on the meta device and materialised after sharding too: its weights, whose values are
+    their own tensors, are materialised with the shard (they were left on meta, and the first forward
+    refused them as never materialised)."""
+    for same, kind in run_on_ranks(2, _float8_as_torchs, on_meta):
         assert same
         assert kind == "WeightWithDynamicFloat8CastTensor"
 

@@ -359,6 +359,42 @@ def test_set_gradient_divide_factor_acts_on_the_modules_own_group_only_as_torchs
     assert same_tensors(ours, theirs)
 
 
+def _all_reduce_hook(impl, device_type):
+    """A hook on the module's reduced gradient shard that doubles it, on a stream of the device's
+    own where it has streams: the gradients, the calls and the stream current during each call."""
+    shard = fully_shard_of(impl)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3)).to(device_type)
+    shard(model)
+    stream = torch.cuda.Stream() if device_type == "cuda" else None
+    calls = []
+
+    def hook(reduced):
+        calls.append(torch.cuda.current_stream() == stream if stream is not None else None)
+        reduced.mul_(2)
+
+    model.set_all_reduce_hook(hook, stream=stream)
+    for step in range(2):
+        inputs = torch.randn(2, 4, generator=torch.Generator().manual_seed(10 * step + dist.get_rank())).to(device_type)
+        model(inputs).sum().backward()
+    return [grad.cpu() for grad in full_grads(model)], calls
+
+
+def test_the_all_reduce_hook_sees_each_reduced_shard_as_torchs():
+    """Once per backward, after the reduce-scatter, in place: gradients bitwise torch's."""
+    (ours, our_calls), (theirs, their_calls) = run_both(_all_reduce_hook, "cpu")
+    assert same_tensors(ours, theirs)
+    assert our_calls == their_calls == [None, None]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="streams need a GPU")
+def test_the_all_reduce_hook_runs_on_the_stream_it_was_given():
+    """``set_all_reduce_hook(hook, stream=s)`` on a 1-D mesh: the hook runs with ``s`` current."""
+    (ours, our_calls), (theirs, their_calls) = run_both(_all_reduce_hook, "cuda", world_size=1)
+    assert same_tensors(ours, theirs)
+    assert our_calls == their_calls == [True, True]
+
+
 def _converted_with_swapped_params(impl):
     shard = fully_shard_of(impl)
     rank, world_size = dist.get_rank(), dist.get_world_size()

@@ -2,9 +2,11 @@
 
 fsdp1 owns no CUDA streams: collectives are asynchronous on the process group's own stream and a
 ``Work.wait()`` orders the compute stream after them, while every buffer is allocated and freed on
-the compute stream. The same code therefore runs on CPU/gloo and CUDA/NCCL.
+the compute stream. The same code therefore runs on CPU/gloo and CUDA/NCCL. The one stream fsdp1
+uses is a user's, for a hook the user asked to run on it (``run_on_stream``).
 """
 
+import contextlib
 import dataclasses
 from typing import Any, Callable, Iterable, Optional, Union
 
@@ -66,3 +68,20 @@ def wait_for_device(device: torch.device) -> None:
     """Block until the work queued on ``device``'s current stream has run (nothing to wait for on the CPU)."""
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
+
+
+def run_on_stream(stream: Optional[Any], fn: Callable[[torch.Tensor], None], tensor: torch.Tensor) -> None:
+    """``fn(tensor)`` with ``stream`` (a user's, or None: the current one) current on ``tensor``'s
+    device: it first waits for the work queued so far, and the current stream waits for what ``fn``
+    queued; ``tensor`` is marked used there, so that its memory is not reused before. On the CPU
+    there are no streams to order."""
+    if stream is None or tensor.device.type == "cpu":
+        fn(tensor)
+        return
+    module = torch.get_device_module(tensor.device)
+    current = module.current_stream(tensor.device)
+    stream.wait_stream(current)
+    with module.stream(stream) if hasattr(module, "stream") else contextlib.nullcontext():
+        fn(tensor)
+    tensor.record_stream(stream)
+    current.wait_stream(stream)

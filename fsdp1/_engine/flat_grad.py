@@ -16,12 +16,12 @@ Every move goes through ``_move``, which refuses any other (an internal error na
 
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple, cast
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple, cast
 
 import torch
 
 from . import collectives as comm
-from .device import wait_for_device
+from .device import run_on_stream, wait_for_device
 from .layout import ParamLayout, free_storage
 from .mixed_precision import HandlePrecision
 from .shard_math import gradient_divide_factors
@@ -101,6 +101,8 @@ class ReduceSettings:
     """Hybrid: False leaves the all-reduce over the replicas to a later backward, which adds the kept sums first."""
     after_reduce: Optional[Callable[[torch.Tensor], None]] = None
     """Called with the reduced shard, after the all-reduce over the replicas (``set_all_reduce_hook``)."""
+    after_reduce_stream: Optional[Any] = None
+    """The stream ``after_reduce`` runs on (None: the current one)."""
     user_reduce_scatter: Optional[comm.UserReduceScatter] = None
     """Allocates the reduce-scatter's buffers and runs it, as a sum (``set_custom_reduce_scatter``)."""
 
@@ -369,7 +371,7 @@ class FlatGrad:
         if post_divide != 1 and self.settings.comm_hook is None:  # a hook divides as it sees fit
             reduced.div_(post_divide)
         if self.settings.after_reduce is not None:
-            self.settings.after_reduce(reduced)
+            run_on_stream(self.settings.after_reduce_stream, self.settings.after_reduce, reduced)
         if not (self._keeps_low_precision and not self._layout.is_sharded):  # NO_SHARD keeps it as reduced, as torch's
             reduced = reduced.to(self.precision.orig_dtype)
         if self._offloaded:

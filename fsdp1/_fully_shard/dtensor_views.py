@@ -10,8 +10,9 @@ DTensors), which stay registered as long as the unit stays gathered (the root af
 unit told not to reshard), as torch's FSDP2 leaves its unsharded parameters registered.
 """
 
+import contextlib
 import weakref
-from typing import Dict, List, Optional, Sequence, Set, Tuple, cast
+from typing import Dict, Iterator, List, Optional, Sequence, Set, Tuple, cast
 
 import torch
 from torch import nn
@@ -90,6 +91,23 @@ class DTensorParamViews(OrigParamViews):
                 param.data = moved  # the wrapper's own dtype and device
             _point(param, moved)
         self._resting_views = [_local_of(param) for param in self.orig_params()]
+
+    @contextlib.contextmanager
+    def flat_param_registered(self, flat_param: nn.Parameter, shard: torch.Tensor, layout: ParamLayout) -> Iterator[None]:
+        """Within, the owner holds the FlatParameter, and a parameter gathered by its all-gather
+        extension stays registered beside it: its values are its own tensor, which a conversion
+        (``to_empty()`` off the meta device, ``.to()``) must convert too."""
+        extended = [(slot, slot.module._parameters[slot.attr]) for slot, local in zip(self.slots, self._resting_views)
+                    if has_extension(local)]
+        names = [self._managed_params.pop(id(param))[1] for _, param in extended]  # swap_tensors refuses weakly held ones
+        try:
+            with super().flat_param_registered(flat_param, shard, layout):
+                for slot, param in extended:
+                    slot.module._parameters[slot.attr] = param
+                yield
+        finally:
+            for (slot, _), fqn in zip(extended, names):
+                self._managed_params[id(slot.live_param)] = (weakref.ref(slot.live_param), fqn)
 
     def name_member(self, member: nn.Module, path: str) -> None:
         """``member``, one module of a group of several, is ``path`` from the root: its parameters'

@@ -124,12 +124,14 @@ class FSDPModule(nn.Module):
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Optional[Any] = None) -> None:
         """``hook(reduced)`` on this module's reduced gradient shard, once per backward, after the
-        all-reduce over the replicas (HSDP) or the reduce-scatter."""
+        all-reduce over the replicas (HSDP) or the reduce-scatter; on ``stream`` where one is given
+        (not under HSDP, as torch's)."""
         handle = _state(self).handle
         if stream is not None and handle is not None and handle.replicate_group is not None:
             raise ValueError("stream cannot be set when using native HSDP")  # torch's
         if handle is not None:
             handle.grad.settings.after_reduce = hook
+            handle.grad.settings.after_reduce_stream = stream
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
         """Accepted: fsdp1 reduces the whole group's gradient, with zeros for unused parameters."""
