@@ -37,12 +37,20 @@ def _post(local, calls, outputs, metadata, param_dtype, *, out=None):
     return full, (data, scale)
 
 
-def _trained(model, optim, width):
-    """3 steps on this rank's inputs of ``width`` features; the losses."""
+def _trained(model, optim, width, sent=None):
+    """3 steps on this rank's inputs of ``width`` features; the losses. ``sent``: a dict that gets the
+    bytes this rank sent in the second step's collectives, by kind (two gloo ranks exchange fsdp1's
+    gathers and reductions pairwise: compare totals)."""
+    from tools.benchmark import CommBytes
+
     losses = []
     for step in range(3):
-        loss = model(torch.randn(4, width, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))).pow(2).mean()
-        loss.backward()
+        counter = CommBytes() if step == 1 and sent is not None else contextlib.nullcontext()
+        with counter:
+            loss = model(torch.randn(4, width, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()))).pow(2).mean()
+            loss.backward()
+        if step == 1 and sent is not None:
+            sent.update(counter.payload)
         optim.step()
         optim.zero_grad()
         losses.append(loss.item())
@@ -84,6 +92,50 @@ def test_hooks_on_a_local_tensor_gather_and_train_as_torchs(reshard_after_forwar
         assert calls == {"pre": gathers, "post": gathers, "out": gathers - 1, "mesh_size": 2}
 
 
+class _RecordedAllGather:
+    """torch's ``AllGather`` interface over ``all_gather_into_tensor``, recording each call's dtype."""
+
+    def __init__(self):
+        self.dtypes = []
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.dtypes.append(output_tensor.dtype)
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+def _hooks_through_a_custom_all_gather(impl):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5))
+    shard = fully_shard_of(impl)
+    shard(model[0])
+    shard(model)
+    gather = _RecordedAllGather()
+    model[0].set_custom_all_gather(gather)
+    calls = {"pre": 0, "post": 0, "out": 0}
+    local = model[0].weight._local_tensor
+    local.fsdp_pre_all_gather = functools.partial(_pre, local, calls)
+    local.fsdp_post_all_gather = functools.partial(_post, local, calls)
+    losses = _trained(model, torch.optim.Adam(model.parameters(), lr=1e-2), 8)
+    return losses, [p.full_tensor().detach() for p in model.parameters()], calls, gather.dtypes
+
+
+def _custom_all_gather_as_torchs():
+    ours = _hooks_through_a_custom_all_gather("fsdp1")
+    return same_values(ours, _hooks_through_a_custom_all_gather("torch")), ours[3]
+
+
+def test_the_custom_all_gather_carries_an_extensions_tensors_as_torchs():
+    """A module whose custom all-gather runs its gathers: the extension's tensors travel in it with
+    the rest of the module's shard, in bytes (a bf16 weight and an fp32 scale), one call per gather:
+    losses, parameters, hook calls and the calls' dtypes as torch's."""
+    for same, dtypes in run_on_ranks(2, _custom_all_gather_as_torchs):
+        assert same
+        assert dtypes == [torch.uint8] * 6  # forward and backward, 3 steps
+
+
 def _trained_int8(impl):
     """torchao's int8 weight-only quantized training: its weights are a tensor subclass whose
     extension gathers the int8 data and the scales; its ``_AdamW`` steps them."""
@@ -100,22 +152,27 @@ def _trained_int8(impl):
     shard(model[0])
     shard(model[2])
     shard(model)
-    losses = _trained(model, _AdamW(model.parameters(), lr=1e-2), 16)
+    sent = {}
+    losses = _trained(model, _AdamW(model.parameters(), lr=1e-2), 16, sent)
     weight = model[0].weight.to_local()
-    return losses, type(weight).__name__, weight.int_data.clone(), weight.scale.clone(), model[0].bias.to_local().detach().clone()
+    return (losses, type(weight).__name__, weight.int_data.clone(), weight.scale.clone(),
+            model[0].bias.to_local().detach().clone()), sum(sent.values())
 
 
 def _int8_as_torchs():
-    ours = _trained_int8("fsdp1")
-    return same_values(ours, _trained_int8("torch")), ours[1]
+    ours, our_gathered = _trained_int8("fsdp1")
+    theirs, their_gathered = _trained_int8("torch")
+    return same_values(ours, theirs), ours[1], our_gathered, their_gathered
 
 
 def test_torchao_int8_training_weights_train_as_under_torchs():
     """The weights stay torchao's subclass, sharded (its optimizer steps them), and training is
-    bitwise torch's: losses, int8 data and scales, biases."""
-    for same, kind in run_on_ranks(2, _int8_as_torchs):
+    bitwise torch's: losses, int8 data and scales, biases; no more bytes than torch's (the int8 data
+    and scales in the unit's one gather, nothing for the weights' places in its shard)."""
+    for same, kind, our_gathered, their_gathered in run_on_ranks(2, _int8_as_torchs):
         assert same
         assert kind == "Int8QuantizedTrainingLinearWeight"
+        assert our_gathered <= their_gathered
 
 
 def _trained_float8(impl, on_meta=False):
@@ -139,24 +196,29 @@ def _trained_float8(impl, on_meta=False):
         torch.manual_seed(0)
         for param in model.parameters():
             nn.init.trunc_normal_(param, std=0.1)
-    losses = _trained(model, torch.optim.AdamW(model.parameters(), lr=1e-2), 32)
+    sent = {}
+    losses = _trained(model, torch.optim.AdamW(model.parameters(), lr=1e-2), 32, sent)
     weight = model[0].weight.to_local()
-    return losses, type(weight).__name__, [p.to_local().detach().as_subclass(torch.Tensor).clone() for p in model.parameters()]
+    return (losses, type(weight).__name__, [p.to_local().detach().as_subclass(torch.Tensor).clone() for p in model.parameters()]
+            ), sum(sent.values())
 
 
 def _float8_as_torchs(on_meta):
-    ours = _trained_float8("fsdp1", on_meta)
-    return same_values(ours, _trained_float8("torch", on_meta)), ours[1]
+    ours, our_gathered = _trained_float8("fsdp1", on_meta)
+    theirs, their_gathered = _trained_float8("torch", on_meta)
+    return same_values(ours, theirs), ours[1], our_gathered, their_gathered
 
 
 @pytest.mark.parametrize("on_meta", [False, True], ids=["built", "meta-initialised"])
 def test_torchao_float8_training_with_float8_gathers_trains_as_under_torchs(on_meta):
-    """Built on the meta device and materialised after sharding too: its weights, whose values are
-    their own tensors, are materialised with the shard (they were left on meta, and the first forward
-    refused them as never materialised)."""
-    for same, kind in run_on_ranks(2, _float8_as_torchs, on_meta):
+    """Bitwise torch's, and no more bytes gathered (fsdp1 moved its weights' places in the shard,
+    4 bytes each, besides the float8 gather). Built on the meta device and materialised after
+    sharding too: its weights, whose values are their own tensors, are materialised with the shard
+    (they were left on meta, and the first forward refused them as never materialised)."""
+    for same, kind, our_gathered, their_gathered in run_on_ranks(2, _float8_as_torchs, on_meta):
         assert same
         assert kind == "WeightWithDynamicFloat8CastTensor"
+        assert our_gathered <= their_gathered  # the float8 weights in the unit's one gather, 1 byte each
 
 
 class _QLoRALinear(nn.Module):

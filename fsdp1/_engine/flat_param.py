@@ -287,6 +287,7 @@ class FlatParamHandle:
         compute device) into a temporary that the collective's work keeps alive until it has read
         it, and no longer. ``full_precision`` (summon_full_params, state dicts; by default evaluation
         under ``FSDP_USE_FULL_PREC_IN_EVAL``) gathers the shard's own dtype instead."""
+        for_computing = full_precision is None
         if full_precision is None:
             full_precision = self.forces_full_precision
         target = self._full_precision_buffer
@@ -315,7 +316,8 @@ class FlatParamHandle:
             self.state = HandleState.UNSHARDED
             return
         source = self._local_shard.to(device=target.device, dtype=target.dtype, non_blocking=True)
-        self._gather_work = self.layout.all_gather(target, source, self.group, self.path)
+        extras = self.views.gather_extras() if for_computing else None
+        self._gather_work = self.layout.all_gather(target, source, self.group, self.path, extras)
         self._gather_input = None if source is self._local_shard else source
         self.state = HandleState.UNSHARDING
 

@@ -24,7 +24,8 @@ rank-major, and ``all_gather`` / ``reduce_input`` permute between that order and
 """
 
 from abc import ABC, abstractmethod
-from typing import Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -40,6 +41,20 @@ from .shard_math import (
     plan_flat_layout,
     shard_span,
 )
+
+
+@dataclass(frozen=True)
+class GatherExtras:
+    """What a unit's gather carries besides its shard, in the same collective: the parameters whose
+    place in the shard is not sent (their values are gathered apart, by an all-gather extension),
+    the tensors each rank sends instead (of equal sizes on every rank), the byte buffers their
+    gathered copies land in (rank after rank; the same buffers every gather), and what runs once
+    they have."""
+
+    skipped: FrozenSet[int]
+    inputs: Sequence[torch.Tensor]
+    outputs: Sequence[torch.Tensor]
+    finish: Callable[[], None]
 
 
 class ParamLayout(ABC):
@@ -96,10 +111,12 @@ class ParamLayout(ABC):
         return self.param_views(self.split(unsharded))
 
     @abstractmethod
-    def all_gather(self, unsharded: torch.Tensor, shard: torch.Tensor, group: comm.ProcessGroup, path: str) -> comm.Waitable:
-        """Start filling ``unsharded`` from every rank's ``shard``; the parameters' views of it are
-        valid once the returned work is waited for. ``unsharded``'s storage may be freed: the
-        layout allocates it when it first writes there."""
+    def all_gather(self, unsharded: torch.Tensor, shard: torch.Tensor, group: comm.ProcessGroup, path: str,
+                   extras: Optional[GatherExtras] = None) -> comm.Waitable:
+        """Start filling ``unsharded`` from every rank's ``shard`` (and, with ``extras``, gathering
+        those in the same collective); the parameters' views of it are valid once the returned work
+        is waited for. ``unsharded``'s storage may be freed: the layout allocates it when it first
+        writes there."""
 
     @abstractmethod
     def reduce_input(self, unsharded_grad: torch.Tensor) -> torch.Tensor:
@@ -215,7 +232,9 @@ class FlatShardLayout(ParamLayout):
         """The all-to-all between the flat shards and the rows."""
         return RowRedistribution(self.flat.offsets, self.shapes, self.flat.numel, *self._row_rank_and_world, group)
 
-    def all_gather(self, unsharded: torch.Tensor, shard: torch.Tensor, group: comm.ProcessGroup, path: str) -> comm.Waitable:
+    def all_gather(self, unsharded: torch.Tensor, shard: torch.Tensor, group: comm.ProcessGroup, path: str,
+                   extras: Optional[GatherExtras] = None) -> comm.Waitable:
+        assert extras is None, "all-gather extensions are fully_shard's, on the rows layout"
         alloc_storage(unsharded)
         return comm.all_gather_into(unsharded, shard, group, path)
 
@@ -304,7 +323,10 @@ class RowShardLayout(ParamLayout):
             if value is not None:
                 self.local_view(shard, index).copy_(self.held_part(index, value))
 
-    def all_gather(self, unsharded: torch.Tensor, shard: torch.Tensor, group: comm.ProcessGroup, path: str) -> comm.Waitable:
+    def all_gather(self, unsharded: torch.Tensor, shard: torch.Tensor, group: comm.ProcessGroup, path: str,
+                   extras: Optional[GatherExtras] = None) -> comm.Waitable:
+        if extras is not None:
+            return self._all_gather_packed(unsharded, shard, group, path, extras)
         if self.world_size == 1:  # one rank: its shard is the buffer
             alloc_storage(unsharded)
             return comm.all_gather_into(unsharded, shard, group, path)
@@ -317,6 +339,23 @@ class RowShardLayout(ParamLayout):
         gathered = unsharded.new_empty(self.unsharded_numel).view(self.world_size, self.shard_numel)
         return _CopiedOut(comm.all_gather_into(gathered.view(-1), shard, group, path), self, unsharded,
                           dict(enumerate(gathered.unbind())))
+
+    def _all_gather_packed(self, unsharded: torch.Tensor, shard: torch.Tensor, group: comm.ProcessGroup, path: str,
+                           extras: GatherExtras) -> comm.Waitable:
+        """One gather, in bytes, of this rank's chunks but the skipped ones and of the extra inputs,
+        as torch's FSDP2 packs a group's all-gather inputs of several dtypes into one."""
+        pieces = [piece for index, piece in enumerate(torch.split(shard, list(self.chunk_numels))) if index not in extras.skipped]
+        sizes = [tensor.numel() * tensor.element_size() for tensor in (*pieces, *extras.inputs)]
+        padding = -sum(sizes) % 16  # every rank's row starts aligned for the chunks' dtype
+        packed = torch.cat([tensor.contiguous().view(-1).view(torch.uint8) for tensor in (*pieces, *extras.inputs)]
+                           + [shard.new_zeros(padding, dtype=torch.uint8)])
+        work: comm.Waitable
+        if self.user_all_gather is not None:
+            gathered, work = comm.user_all_gather(self.user_all_gather, packed, group, path)
+        else:
+            gathered = packed.new_empty(packed.numel() * self.world_size)
+            work = comm.all_gather_into(gathered, packed, group, path)
+        return _PackedCopiedOut(work, self, unsharded, shard.dtype, gathered.view(self.world_size, -1), sizes + [padding], extras)
 
     def copy_out(self, shards: Dict[int, torch.Tensor], unsharded: torch.Tensor) -> None:
         """Each rank's shard into its chunks of the parameter-major ``unsharded``, allocated only now:
@@ -367,6 +406,37 @@ class _CopiedOut:
             work.wait()
             self._layout.copy_out(self._shards, self._unsharded)
             self._shards = {}
+        return True
+
+
+class _PackedCopiedOut:
+    """A packed all-gather (``RowShardLayout._all_gather_packed``), copied out on ``wait()``: each
+    rank's chunks into the parameter-major buffer, each extra input's copies into its byte buffer;
+    then the extras' ``finish``."""
+
+    def __init__(self, work: comm.Waitable, layout: RowShardLayout, unsharded: torch.Tensor, dtype: torch.dtype,
+                 rows: torch.Tensor, sizes: List[int], extras: GatherExtras) -> None:
+        self._work: Optional[comm.Waitable] = work
+        self._layout, self._unsharded, self._dtype = layout, unsharded, dtype
+        self._rows, self._sizes, self._extras = rows, sizes, extras
+
+    def wait(self) -> bool:
+        if self._work is None:
+            return True
+        work, self._work = self._work, None
+        work.wait()
+        alloc_storage(self._unsharded)
+        layout, extras = self._layout, self._extras
+        sent = [chunks for index, chunks in enumerate(layout._rank_major(self._unsharded)) if index not in extras.skipped]
+        outputs = [output.view(layout.world_size, -1) for output in extras.outputs]
+        for rank, row in enumerate(self._rows.unbind()):
+            segments = torch.split(row, self._sizes)
+            for chunks, segment in zip(sent, segments):
+                chunks[rank].copy_(segment.view(self._dtype).view(chunks[rank].shape))
+            for output, segment in zip(outputs, segments[len(sent):]):
+                output[rank].copy_(segment)
+        self._rows = torch.empty(0, dtype=torch.uint8)
+        extras.finish()
         return True
 
 

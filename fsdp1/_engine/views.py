@@ -19,7 +19,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .layout import ParamLayout
+from .layout import GatherExtras, ParamLayout
 from .traversal import ParamSlot, split_registrations
 
 FLAT_PARAM = "_flat_param"
@@ -208,6 +208,11 @@ class ParamViews(ABC):
 
     def sync_requires_grad(self) -> Optional[Tuple[bool, ...]]:
         """The parameters' requires_grad now, if it changed since the last call (else None)."""
+        return None
+
+    def gather_extras(self) -> Optional[GatherExtras]:
+        """What a gather for computing carries besides the shard: the tensors of the parameters
+        gathered by their all-gather extension, in place of their places in it (None: nothing)."""
         return None
 
     def resting_params_shown(self, unsharded: torch.Tensor) -> Optional[List[nn.Parameter]]:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .._engine.layout import ParamLayout
+from .._engine.layout import GatherExtras, ParamLayout
 from .._engine.orig_views import OrigParamViews
 from .._engine.traversal import ParamSlot
 from .._engine.views import FLATTENED
@@ -192,6 +192,21 @@ class DTensorParamViews(OrigParamViews):
                                         self._gather_context)
             self._extensions[index] = extension
         return extension
+
+    def gather_extras(self) -> Optional[GatherExtras]:
+        """The tensors the pre-hooks give, sent in the unit's gather in place of those parameters'
+        places in the shard (which only take their gradients); the post-hooks run once it arrived."""
+        gathers = [(index, extension) for index in range(len(self.slots)) if (extension := self._extension(index)) is not None]
+        if not gathers:
+            return None
+        inputs = [tensor for _, extension in gathers for tensor in extension.prepare()]
+        outputs = [output for _, extension in gathers for output in extension.outputs]
+
+        def finish() -> None:
+            for _, extension in gathers:
+                extension.finish()
+
+        return GatherExtras(frozenset(index for index, _ in gathers), inputs, outputs, finish)
 
     def show_sharded(self, shard: torch.Tensor, layout: ParamLayout) -> None:
         for extension in self._extensions.values():

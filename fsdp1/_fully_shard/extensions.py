@@ -60,6 +60,8 @@ class ExtensionGather:
         self._inner: List[torch.Tensor] = []  # the tensors the post-hook said to free while resharded
         self._is_gathered = False
         self._made: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # (view, what the module computes on)
+        self._metadata: Any = None  # the pre-hook's, for the post-hook
+        self._input_kinds: List[Tuple[torch.dtype, torch.Size]] = []  # the pre-hook's tensors' dtypes and shapes
 
     def computing(self, view: torch.Tensor) -> torch.Tensor:
         """The unsharded tensor the module computes on, gathered if it is not; ``view`` (the
@@ -80,27 +82,44 @@ class ExtensionGather:
             self._is_gathered = False
         self._made = None
 
-    def _gather(self) -> None:
-        inputs, metadata = self._pre_all_gather()
+    def prepare(self) -> List[torch.Tensor]:
+        """The pre-hook's tensors to gather, this rank's (the unit's gather carries them, in bytes:
+        gloo gathers no float8, and the gather only moves them), with the buffers their gathered
+        copies land in given storage: ``outputs``."""
+        inputs, self._metadata = self._pre_all_gather()
         world = comm.group_size(self._group)
-        if not self._outputs:  # in bytes: gloo gathers no float8, and the gather only moves them
+        if not self._outputs:
             self._outputs = [torch.empty(t.numel() * t.element_size() * world, dtype=torch.uint8, device=t.device)
                              for t in inputs]
-        for output, tensor in zip(self._outputs, inputs):
-            alloc_storage(output)
-            comm.all_gather_into(output, tensor.contiguous().view(-1).view(torch.uint8), self._group).wait()
-        for tensor in self._inner:
+        for tensor in self._outputs + self._inner:
             alloc_storage(tensor)
-        gathered = tuple(output.view(tensor.dtype).view(-1, *tensor.shape[1:]) for output, tensor in zip(self._outputs, inputs))
+        self._input_kinds = [(t.dtype, t.shape) for t in inputs]
+        return list(inputs)
+
+    @property
+    def outputs(self) -> List[torch.Tensor]:
+        return self._outputs
+
+    def finish(self) -> None:
+        """The gathered copies are in ``outputs``: the post-hook makes the unsharded tensor (the first
+        time; afterwards it refills it, ``out=``)."""
+        gathered = tuple(output.view(dtype).view(-1, *shape[1:]) for output, (dtype, shape) in zip(self._outputs, self._input_kinds))
         dtype = self._context.param_dtype or self.local.dtype
         post = getattr(self.local, "fsdp_post_all_gather")
         if self._unsharded is None:
-            unsharded, inner = post(gathered, metadata, dtype)
+            unsharded, inner = post(gathered, self._metadata, dtype)
             self._unsharded = torch.as_strided(unsharded, self._size, contiguous_stride(self._size), storage_offset=0)
             self._inner = list(inner)
         else:
-            post(gathered, metadata, dtype, out=self._unsharded)
+            post(gathered, self._metadata, dtype, out=self._unsharded)
         self._is_gathered = True
+
+    def _gather(self) -> None:
+        """A gather of this parameter alone (one the unit's gather did not carry)."""
+        inputs = self.prepare()
+        for output, tensor in zip(self._outputs, inputs):
+            comm.all_gather_into(output, tensor.contiguous().view(-1).view(torch.uint8), self._group).wait()
+        self.finish()
 
     def _pre_all_gather(self) -> Tuple[Tuple[torch.Tensor, ...], Any]:
         """torch's two signatures: the mesh alone, or the mesh, the size, the stride, the module and
