@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import fsdp1
+
 from _harness import run_on_ranks
 from _models import fully_shard_of, same_values
 
@@ -134,6 +136,44 @@ def test_the_custom_all_gather_carries_an_extensions_tensors_as_torchs():
     for same, dtypes in run_on_ranks(2, _custom_all_gather_as_torchs):
         assert same
         assert dtypes == [torch.uint8] * 6  # forward and backward, 3 steps
+
+
+def _two_tensor_backward():
+    """torch's own test model: Linear weights that are ``TwoTensor``s (a wrapper subclass of two
+    tensors) gathered through an extension whose post-hook returns a ``TwoTensor``; the first
+    backward's error."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    def pre(self, mesh):
+        return (self.a, self.b), None
+
+    def post(self, outputs, metadata, param_dtype, *, out=None):
+        if out is None:
+            return TwoTensor(*outputs).to(param_dtype), outputs
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8, bias=False), nn.ReLU(), nn.Linear(8, 8, bias=False))
+    for index in (0, 2):
+        model[index].weight = nn.Parameter(TwoTensor(model[index].weight, model[index].weight.clone()))
+    TwoTensor.fsdp_pre_all_gather, TwoTensor.fsdp_post_all_gather = pre, post
+    try:
+        fsdp1.fully_shard(model[0])
+        fsdp1.fully_shard(model)
+        model(torch.randn(2, 8)).sum().backward()
+    except NotImplementedError as error:
+        return str(error)
+    finally:
+        del TwoTensor.fsdp_pre_all_gather, TwoTensor.fsdp_post_all_gather
+    return ""
+
+
+def test_a_wrapper_subclass_gradient_is_refused_naming_the_parameter():
+    """A gradient that is a tensor subclass of several tensors cannot be reduced in the unit's flat
+    gradient (torch's reduces the subclass itself): the first backward names the parameter and the
+    way out, where it crashed deep in fsdp1 ("resize_() on an invalid python storage")."""
+    for message in run_on_ranks(2, _two_tensor_backward):
+        assert "'2.weight'" in message or "'0.weight'" in message
+        assert "TwoTensor" in message
 
 
 def _trained_int8(impl):

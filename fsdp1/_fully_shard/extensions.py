@@ -16,6 +16,8 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .._engine import collectives as comm
 from .._engine.dtensors import contiguous_stride
@@ -44,10 +46,13 @@ def has_extension(tensor: torch.Tensor) -> bool:
 
 class ExtensionGather:
     """One parameter's gathers through its extension: ``local`` its sharded local tensor, ``size``
-    the unsharded (local, for a tensor-parallel parameter) size, ``module`` the module that holds it."""
+    the unsharded (local, for a tensor-parallel parameter) size, ``module`` the module that holds it,
+    ``name`` the parameter's."""
 
-    def __init__(self, local: torch.Tensor, size: torch.Size, shard_dim: int, module: nn.Module, context: GatherContext) -> None:
+    def __init__(self, local: torch.Tensor, size: torch.Size, shard_dim: int, module: nn.Module, context: GatherContext,
+                 name: str) -> None:
         self.local = local
+        self.name = name  # the parameter's clean name, for messages
         self._size, self._module, self._context = size, module, context
         assert context.shard_mesh is not None, "fully_shard refuses extensions without a shard dim"
         self._mesh = context.shard_mesh
@@ -70,7 +75,7 @@ class ExtensionGather:
             self._gather()
         if self._made is None or self._made[0] is not view:
             assert self._unsharded is not None, "gathered just above"
-            self._made = (view, _GradientToView.apply(view, self._unsharded))
+            self._made = (view, _GradientToView.apply(view, self._unsharded, self.name))
         return self._made[1]
 
     def free(self) -> None:
@@ -151,10 +156,18 @@ class _GradientToView(torch.autograd.Function):
     place in the gathered buffer), in the view's dtype."""
 
     @staticmethod
-    def forward(ctx: Any, view: torch.Tensor, unsharded: torch.Tensor) -> torch.Tensor:
-        ctx.dtype = view.dtype
+    def forward(ctx: Any, view: torch.Tensor, unsharded: torch.Tensor, name: str) -> torch.Tensor:
+        ctx.dtype, ctx.name = view.dtype, name
         return unsharded.detach()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:
-        return grad.to(ctx.dtype), None
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None, None]:
+        if is_traceable_wrapper_subclass(grad) and not isinstance(grad, DTensor):
+            raise NotImplementedError(
+                f"fsdp1: the gradient of '{ctx.name}', gathered by its all-gather extension, is a "
+                f"{type(grad).__name__} (a tensor subclass of several tensors), and fsdp1 reduces such a parameter's "
+                "gradient as a plain tensor in its group's flat gradient; torch's fully_shard reduces the subclass "
+                "itself. Make the post-all-gather hook return a tensor whose gradient is a plain tensor (torchao's "
+                "float8 and int8 training weights do), or use torch's fully_shard for this model."
+            )
+        return grad.to(ctx.dtype), None, None
