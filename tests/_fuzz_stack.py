@@ -17,6 +17,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from _models import pipeline_step, stage_indices
+
 STEPS = 2
 BATCH = 4
 PG_TIMEOUT_S = 5
@@ -103,14 +105,8 @@ def _run_pipeline(case, mesh, blocks, fully_shard, kwargs, dp_rank) -> Dict[str,
     from torch.distributed.pipelining import PipelineStage, schedules
 
     schedule_class = getattr(schedules, case["schedule"])
-    pp_rank = mesh["pp"].get_local_rank()
     single = issubclass(schedule_class, schedules.PipelineScheduleSingle)
-    if single:
-        indices = [pp_rank]
-    elif case["schedule"] in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV"):
-        indices = [pp_rank, 3 - pp_rank]
-    else:
-        indices = [pp_rank, pp_rank + 2]
+    indices = stage_indices(case["schedule"], mesh["pp"].get_local_rank(), 2)
     stage_count = 2 * len(indices)
     per_stage = len(blocks) // stage_count
     stages, modules = [], []
@@ -126,16 +122,7 @@ def _run_pipeline(case, mesh, blocks, fully_shard, kwargs, dp_rank) -> Dict[str,
     losses: List[float] = []
     for step in range(STEPS):
         inputs, targets = _batch(case, step, dp_rank, rows=BATCH * case["accumulate"])
-        out: List[torch.Tensor] = []
-        first, last = 0 in indices, stage_count - 1 in indices
-        if first and last:
-            schedule.step(inputs, target=targets, losses=out)
-        elif first:
-            schedule.step(inputs)
-        elif last:
-            schedule.step(target=targets, losses=out)
-        else:
-            schedule.step()
+        out = pipeline_step(schedule, 0 in indices, stage_count - 1 in indices, inputs, targets)
         losses += [loss.item() for loss in out]
         for optim in optims:
             optim.step()

@@ -516,3 +516,30 @@ def summoned_full_params(name, model):
     fsdp, _ = fsdp_api(name)
     with fsdp.FullyShardedDataParallel.summon_full_params(model):
         return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def stage_indices(schedule_name, pp_rank, pp_size):
+    """The pipeline stages one rank holds under torch's ``schedule_name``: one for single-stage
+    schedules, two (looped, or V-shaped for the V schedules) for the others."""
+    from torch.distributed.pipelining import schedules
+
+    if issubclass(getattr(schedules, schedule_name), schedules.PipelineScheduleSingle):
+        return [pp_rank]
+    if schedule_name in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV"):
+        return [pp_rank, 2 * pp_size - 1 - pp_rank]
+    return [pp_rank, pp_rank + pp_size]
+
+
+def pipeline_step(schedule, is_first, is_last, inputs, targets):
+    """One schedule step on this rank (the first stage takes the inputs, the last the targets); the
+    losses of the micro-batches where this rank computes them."""
+    losses = []
+    if is_first and is_last:
+        schedule.step(inputs, target=targets, losses=losses)
+    elif is_first:
+        schedule.step(inputs)
+    elif is_last:
+        schedule.step(target=targets, losses=losses)
+    else:
+        schedule.step()
+    return [loss.detach() for loss in losses]

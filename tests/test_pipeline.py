@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import fsdp1
 
 from _harness import RankFailure, run_on_ranks
-from _models import fully_shard_of
+from _models import fully_shard_of, pipeline_step, stage_indices
 from tools.benchmark import CommBytes
 
 DIM, MICROBATCHES, STEPS = 7, 4, 3
@@ -43,25 +43,13 @@ class Residual(nn.Module):
         return x + self.down(torch.relu(self.up(x)))
 
 
-def _stage_indices(schedule_name, pp_rank, pp_size):
-    """The stages one pipeline rank holds: one for single-stage schedules, two (looped, or V-shaped
-    for the V schedules) for the others."""
-    from torch.distributed.pipelining import schedules
-
-    if issubclass(getattr(schedules, schedule_name), schedules.PipelineScheduleSingle):
-        return [pp_rank]
-    if schedule_name in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV"):
-        return [pp_rank, 2 * pp_size - 1 - pp_rank]
-    return [pp_rank, pp_rank + pp_size]
-
-
 def _pipeline(impl, schedule_name, blocks, shard, pp_group, loss_fn):
     """``blocks`` cut into the stages this rank holds, each block and each stage sharded by ``shard``,
     driven by ``schedule_name``."""
     from torch.distributed.pipelining import PipelineStage, schedules
 
     pp_rank, pp_size = pp_group.rank(), pp_group.size()
-    indices = _stage_indices(schedule_name, pp_rank, pp_size)
+    indices = stage_indices(schedule_name, pp_rank, pp_size)
     stage_count = len(indices) * pp_size
     per_stage = len(blocks) // stage_count
     stages = []
@@ -72,20 +60,6 @@ def _pipeline(impl, schedule_name, blocks, shard, pp_group, loss_fn):
     single = issubclass(schedule_class, schedules.PipelineScheduleSingle)
     schedule = schedule_class(stages[0] if single else stages, n_microbatches=MICROBATCHES, loss_fn=loss_fn)
     return schedule, [stage.submod for stage in stages], 0 in indices, stage_count - 1 in indices
-
-
-def _step(schedule, is_first, is_last, inputs, targets):
-    """One schedule step; the losses of its micro-batches where this rank computes them."""
-    losses = []
-    if is_first and is_last:
-        schedule.step(inputs, target=targets, losses=losses)
-    elif is_first:
-        schedule.step(inputs)
-    elif is_last:
-        schedule.step(target=targets, losses=losses)
-    else:
-        schedule.step()
-    return [loss.detach() for loss in losses]
 
 
 def _mse(output, target):
@@ -136,7 +110,7 @@ def _trained_pipeline(impl, schedule_name, variant="fp32"):
             inputs, targets = torch.randn(2 * MICROBATCHES, DIM, generator=generator), torch.randn(2 * MICROBATCHES, DIM, generator=generator)
             counter = CommBytes() if step == 1 else contextlib.nullcontext()
             with counter:
-                losses.append(_step(schedule, is_first, is_last, inputs, targets))
+                losses.append(pipeline_step(schedule, is_first, is_last, inputs, targets))
             if step == 1:
                 sent = dict(counter.payload)
             for optim in optims:
@@ -180,7 +154,7 @@ def _split_backward_step(schedule_name):
         shard = _shard_blocks("fsdp1", mesh["dp"], reshard_blocks=True)
         schedule, _, is_first, is_last = _pipeline("fsdp1", schedule_name, blocks, shard, mesh["pp"].get_group(), _mse)
         inputs = targets = torch.randn(2 * MICROBATCHES, DIM)
-        _step(schedule, is_first, is_last, inputs, targets)
+        pipeline_step(schedule, is_first, is_last, inputs, targets)
 
 
 @pytest.mark.parametrize("schedule_name", SPLIT_BACKWARD)
@@ -223,7 +197,7 @@ def _trained_gpt2(impl, schedule_name):
     torch.manual_seed(0)
     model = GPT2LMHeadModel(config)
     pp_rank = mesh["pp"].get_local_rank()
-    indices = _stage_indices(schedule_name, pp_rank, 2)
+    indices = stage_indices(schedule_name, pp_rank, 2)
     stage_count = 2 * len(indices)
     per_stage = config.n_layer // stage_count
     fully_shard = fully_shard_of(impl)
@@ -244,7 +218,7 @@ def _trained_gpt2(impl, schedule_name):
         losses = []
         for step in range(STEPS):
             tokens = torch.randint(0, 61, (2 * MICROBATCHES, 6), generator=torch.Generator().manual_seed(step + 10 * mesh["dp"].get_local_rank()))
-            losses.append(_step(schedule, 0 in indices, stage_count - 1 in indices, tokens, tokens))
+            losses.append(pipeline_step(schedule, 0 in indices, stage_count - 1 in indices, tokens, tokens))
             for optim in optims:
                 optim.step()
                 optim.zero_grad()
@@ -279,7 +253,7 @@ def _trained_tensor_parallel_pipeline(impl):
         for step in range(2):
             generator = torch.Generator().manual_seed(100 * step + mesh["dp"].get_local_rank())
             inputs, targets = torch.randn(2 * MICROBATCHES, DIM, generator=generator), torch.randn(2 * MICROBATCHES, DIM, generator=generator)
-            losses.append(_step(schedule, is_first, is_last, inputs, targets))
+            losses.append(pipeline_step(schedule, is_first, is_last, inputs, targets))
             optim.step()
             optim.zero_grad()
         values = [param.full_tensor().detach() for param in modules[0].parameters()]
@@ -312,7 +286,7 @@ def _warnings_of_plain_stages():
             with warnings.catch_warnings(record=True) as during_step:
                 warnings.simplefilter("always")
                 inputs = targets = torch.randn(2 * MICROBATCHES, DIM)
-                _step(schedule, pp_rank == 0, pp_rank == 1, inputs, targets)
+                pipeline_step(schedule, pp_rank == 0, pp_rank == 1, inputs, targets)
             caught.append([str(warning.message) for warning in during_step if "fsdp1" in str(warning.message)])
     return caught
 
