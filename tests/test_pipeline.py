@@ -129,10 +129,12 @@ def test_schedules_train_as_torchs(schedule_name):
 
 
 @pytest.mark.parametrize("schedule_name, variant", [("Schedule1F1B", "bf16"), ("ScheduleInterleavedZeroBubble", "bf16"),
-                                                   ("Schedule1F1B", "resharded")])
+                                                   ("Schedule1F1B", "resharded"), ("ScheduleInterleaved1F1B", "resharded")])
 def test_schedule_variants_train_as_torchs(schedule_name, variant):
     """A bf16 ``MixedPrecisionPolicy``; blocks resharded after forward (gathered again in backward)
-    under a schedule of whole backwards."""
+    under schedules of whole backwards, also one that gathers each stage before its first forward
+    (that first forward computed on the resting Parameters, the next ones on views of the flat
+    parameter, and their mixed backwards were refused as a split backward)."""
     _assert_trained_as_torchs(schedule_name, variant)
 
 

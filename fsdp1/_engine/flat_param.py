@@ -339,11 +339,14 @@ class FlatParamHandle:
         if gather_input is not None:  # freed now: a gloo worker drops its reference a moment later
             free_storage(gather_input)
 
-    def use_unsharded_views(self) -> Optional[torch.autograd.graph.Node]:
+    def use_unsharded_views(self, on_resting_params: bool = False) -> Optional[torch.autograd.graph.Node]:
         """Give the module views of the unsharded flat parameter, made under the caller's grad mode so
-        that autograd routes every original parameter's gradient into the flat parameter; or, where
-        the modules hold the unit's resting Parameters (the unit rests gathered: ``unshard()``, a
-        backward that kept it, an earlier forward on them), let the forward compute on those leaves.
+        that autograd routes every original parameter's gradient into the flat parameter; or, with
+        ``on_resting_params`` (the unit stays gathered after this forward) where the modules hold the
+        unit's resting Parameters (it rests gathered: ``unshard()``, a backward that kept it, an
+        earlier forward on them), let the forward compute on those leaves. A unit resharded after
+        forward never does: its next forward's views would not be the Parameters a pipeline's weight
+        pass finds, and its backwards would mix both kinds.
 
         Returns the autograd node that will assemble the unsharded flat gradient from the views'
         gradients (None when no gradient will flow), so that the runtime can act just before that
@@ -354,7 +357,7 @@ class FlatParamHandle:
             if self.flat_param.requires_grad != any(requires_grad):
                 self.flat_param.requires_grad_(any(requires_grad))
             self.grad.respan(requires_grad)
-        resting = self.views.resting_params_shown(self._unsharded_buffer)
+        resting = self.views.resting_params_shown(self._unsharded_buffer) if on_resting_params else None
         self.forward_on_resting_params = resting is not None
         if resting is not None:  # their gradients join the flat one later (take_resting_grads)
             self._forward_views = list(resting)

@@ -254,7 +254,7 @@ class UnitState:
                 _gather(handle)
                 for unit in self.schedule.forward_prefetches(self, state.order):
                     _prefetch(unit)
-                gradient_node = handle.use_unsharded_views()
+                gradient_node = handle.use_unsharded_views(on_resting_params=not self._reshards_after_forward())
                 self.register_post_backward_hook()
                 if gradient_node is not None:
                     self.forwards_awaiting_gradient += 1
