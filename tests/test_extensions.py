@@ -291,25 +291,29 @@ def _trained_qlora(impl, reshard_after_forward):
         shard(block, reshard_after_forward=reshard_after_forward)
     shard(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    losses = _trained(model, torch.optim.AdamW(trainable, lr=1e-2), 64)
+    sent = {}
+    losses = _trained(model, torch.optim.AdamW(trainable, lr=1e-2), 64, sent)
     base = model[0][0].weight.to_local()
     return (losses, type(base).__name__, [p.full_tensor().detach() for p in trainable],
-            base.quantized_data.clone(), base.quantized_scalers.clone())
+            base.quantized_data.clone(), base.quantized_scalers.clone()), sum(sent.values())
 
 
 def _qlora_as_torchs(reshard_after_forward):
-    ours = _trained_qlora("fsdp1", reshard_after_forward)
-    return same_values(ours, _trained_qlora("torch", reshard_after_forward)), ours[1]
+    ours, our_sent = _trained_qlora("fsdp1", reshard_after_forward)
+    theirs, their_sent = _trained_qlora("torch", reshard_after_forward)
+    return same_values(ours, theirs), ours[1], our_sent, their_sent
 
 
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
 def test_torchao_nf4_frozen_weights_with_lora_train_as_under_torchs(reshard_after_forward):
     """QLoRA: NF4 base weights, frozen, sharded by their own tensor operations as torch's shards them
     and gathered through their extension, with trainable LoRA adapters beside them: losses, adapters
-    and the NF4 shards bitwise torch's."""
-    for same, kind in run_on_ranks(2, _qlora_as_torchs, reshard_after_forward):
+    and the NF4 shards bitwise torch's, and no more bytes (the frozen weights' places in the shard
+    are neither gathered nor reduced: fsdp1 reduce-scattered their zeros, 4 bytes a weight)."""
+    for same, kind, our_sent, their_sent in run_on_ranks(2, _qlora_as_torchs, reshard_after_forward):
         assert same
         assert kind == "NF4Tensor"
+        assert our_sent <= their_sent
 
 
 def _one_hook_only(impl):

@@ -25,6 +25,7 @@ from _models import (
     build,
     fsdp1_full_params,
     fully_shard_against_oracle,
+    fully_shard_of,
     lm_loss,
     make_gpt,
     max_relative_error,
@@ -217,6 +218,40 @@ def test_frozen_root_parameters_and_meta_init_train_bitwise_like_torchs(pattern)
 
 
 # ------------------------------------------------------------------- no warnings whose claims do not hold
+def _frozen_between_trainable(impl):
+    """A fully_shard unit whose middle Linear is frozen: the losses, the trainable parameters after
+    two AdamW steps, and the bytes this rank sent in the second step."""
+    from tools.benchmark import CommBytes
+
+    shard = fully_shard_of(impl)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 3))
+    model[2].requires_grad_(False)
+    shard(model)
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses, sent = [], {}
+    for step in range(2):
+        counter = CommBytes()
+        with counter:
+            loss = model(torch.randn(4, 6, generator=torch.Generator().manual_seed(step * 10 + dist.get_rank()))).square().mean()
+            loss.backward()
+        sent = dict(counter.payload)
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return losses, [p.full_tensor().detach() for p in model.parameters() if p.requires_grad], sum(sent.values())
+
+
+def test_frozen_parameters_of_a_fully_shard_unit_are_not_reduced_as_torchs():
+    """Their places in the gradient are left out of the reduce-scatter, as torch's leaves out the
+    parameters without a gradient (fsdp1 reduced their zeros): bitwise torch's, no more bytes."""
+    for (ours, our_values, our_sent), (theirs, their_values, their_sent) in zip(
+            run_on_ranks(2, _frozen_between_trainable, "fsdp1"), run_on_ranks(2, _frozen_between_trainable, "torch")):
+        assert ours == theirs
+        assert all(torch.equal(a, b) for a, b in zip(our_values, their_values))
+        assert our_sent <= their_sent
+
+
 def _warnings_whose_claims_do_not_hold():
     """torch's FSDP1 warns that it will not gather a container's parameters (a ``ModuleList`` has no
     forward) and that a unit mixing frozen and trainable parameters costs gradient memory for the frozen

@@ -141,6 +141,7 @@ class FlatGrad:
         self._span_grad: Optional[torch.Tensor] = None  # the optimizer's gradient when the span is partial
         self._arrived: Optional[List[bool]] = None  # by parameter, since the last reduction (tracks_arrivals)
         self._unreduced_sum: Optional[torch.Tensor] = None  # earlier backwards' local sum (accumulates_in_reduce_dtype)
+        self._skipped: FrozenSet[int] = frozenset()  # the parameters the reduction in flight leaves out (frozen)
 
     def rebind(self, flat_param: torch.nn.Parameter) -> None:
         """The handle's flat parameter is a new object (converted off the meta device)."""
@@ -334,8 +335,9 @@ class FlatGrad:
                 f"elements, expected {self._layout.unsharded_numel}"
             )
         sharded = self._layout.is_sharded
-        grad = self._layout.reduce_input(grad)
-        reduced = grad.new_empty(self._layout.shard_numel) if sharded else grad
+        self._skipped = self._frozen() if sharded and hook is None and self._layout.world_size > 1 else frozenset()
+        grad = self._layout.reduce_input(grad, self._skipped)
+        reduced = grad.new_empty(grad.numel() // self._layout.world_size) if sharded else grad
         if hook is not None:
             return GradReduction(self, hook.reduce(grad, reduced if sharded else None), grad, reduced)
         pre_divide = self._divide_factors[0]
@@ -351,11 +353,18 @@ class FlatGrad:
             work = comm.all_reduce(grad, self._group, self.path)
         return GradReduction(self, work, grad, reduced, frees_input=sharded and user_reduce_scatter is None)
 
+    def _frozen(self) -> FrozenSet[int]:
+        """The parameters the reduction leaves out: the frozen ones, where the layout reduces by
+        parameter (not all of them: a unit with nothing to train reduces nothing anyway)."""
+        frozen = frozenset(index for index, trainable in enumerate(self._views.requires_grad) if not trainable)
+        return frozen if self._layout.reduces_by_parameter and len(frozen) < len(self._views.requires_grad) else frozenset()
+
     def add_reduced(self, reduced: torch.Tensor) -> None:
         """A reduction finished: all-reduce it over the replicas (hybrid strategies), keep the span,
         divide, cast and (offloaded) copy it to the CPU, and add it to this backward's gradient.
         Without ``all_reduces_replicas`` a hybrid unit keeps the sum over its shard group apart, and
         the next backward that all-reduces adds it in first (the gradient is unchanged until then)."""
+        reduced = self._layout.shard_of_reduced(reduced, self._skipped)
         if self._replicate_group is not None:
             if self._unreplicated is not None:
                 reduced += self._unreplicated

@@ -119,8 +119,18 @@ class ParamLayout(ABC):
         writes there."""
 
     @abstractmethod
-    def reduce_input(self, unsharded_grad: torch.Tensor) -> torch.Tensor:
-        """The unsharded gradient in the order a reduce-scatter hands each rank its shard's part."""
+    def reduce_input(self, unsharded_grad: torch.Tensor, skipped: FrozenSet[int] = frozenset()) -> torch.Tensor:
+        """The unsharded gradient in the order a reduce-scatter hands each rank its shard's part,
+        without the parameters in ``skipped`` (frozen ones: only where ``reduces_by_parameter``)."""
+
+    reduces_by_parameter = False
+    """Whether a parameter's part of the reduction can be left out, a frozen one sending nothing,
+    as under torch's FSDP2 (each rank's part of every parameter is a run of its shard)."""
+
+    def shard_of_reduced(self, reduced: torch.Tensor, skipped: FrozenSet[int]) -> torch.Tensor:
+        """The reduced shard, from a reduction that left ``skipped`` out: zeros in their place."""
+        assert not skipped, "only a layout that reduces by parameter leaves any out"
+        return reduced
 
     @abstractmethod
     def local_view(self, shard_like: torch.Tensor, index: int, start: int = 0) -> torch.Tensor:
@@ -238,7 +248,8 @@ class FlatShardLayout(ParamLayout):
         alloc_storage(unsharded)
         return comm.all_gather_into(unsharded, shard, group, path)
 
-    def reduce_input(self, unsharded_grad: torch.Tensor) -> torch.Tensor:
+    def reduce_input(self, unsharded_grad: torch.Tensor, skipped: FrozenSet[int] = frozenset()) -> torch.Tensor:
+        assert not skipped, "a flat shard's runs cross parameters: none is left out"
         return unsharded_grad  # the gathered order is the parameters' order
 
     def local_view(self, shard_like: torch.Tensor, index: int, start: int = 0) -> torch.Tensor:
@@ -346,7 +357,7 @@ class RowShardLayout(ParamLayout):
         as torch's FSDP2 packs a group's all-gather inputs of several dtypes into one."""
         pieces = [piece for index, piece in enumerate(torch.split(shard, list(self.chunk_numels))) if index not in extras.skipped]
         sizes = [tensor.numel() * tensor.element_size() for tensor in (*pieces, *extras.inputs)]
-        padding = -sum(sizes) % 16  # every rank's row starts aligned for the chunks' dtype
+        padding = -sum(sizes) % shard.element_size()  # every rank's row starts aligned for the chunks' dtype
         packed = torch.cat([tensor.contiguous().view(-1).view(torch.uint8) for tensor in (*pieces, *extras.inputs)]
                            + [shard.new_zeros(padding, dtype=torch.uint8)])
         work: comm.Waitable
@@ -369,10 +380,22 @@ class RowShardLayout(ParamLayout):
             for chunks, piece in zip(rank_major, torch.split(shard, list(self.chunk_numels))):
                 chunks[rank].copy_(piece.view(chunks[rank].shape))
 
-    def reduce_input(self, unsharded_grad: torch.Tensor) -> torch.Tensor:
+    reduces_by_parameter = True
+
+    def reduce_input(self, unsharded_grad: torch.Tensor, skipped: FrozenSet[int] = frozenset()) -> torch.Tensor:
         if self.world_size == 1:
             return unsharded_grad
-        return torch.cat([chunks.reshape(self.world_size, -1) for chunks in self._rank_major(unsharded_grad)], dim=1).view(-1)
+        return torch.cat([chunks.reshape(self.world_size, -1) for index, chunks in enumerate(self._rank_major(unsharded_grad))
+                          if index not in skipped], dim=1).view(-1)
+
+    def shard_of_reduced(self, reduced: torch.Tensor, skipped: FrozenSet[int]) -> torch.Tensor:
+        if not skipped:
+            return reduced
+        shard = reduced.new_zeros(self.shard_numel)
+        sent = [piece for index, piece in enumerate(torch.split(shard, list(self.chunk_numels))) if index not in skipped]
+        for piece, part in zip(sent, torch.split(reduced, [piece.numel() for piece in sent])):
+            piece.copy_(part)
+        return shard
 
     def held_rows(self, index: int) -> Tuple[int, int]:
         return self._held[index]
