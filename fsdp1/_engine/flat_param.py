@@ -381,12 +381,13 @@ class FlatParamHandle:
 
     def take_resting_grads(self, reduce_now: bool, reached: bool) -> bool:
         """The gradients a backward (or a pipeline's weight pass) left on the resting Parameters a
-        forward computed on join the unit's gradient: when it is reduced now, when it already holds an
-        unreduced sum, or when unreduced sums add up apart in ``reduce_dtype``, so that the
+        forward computed on join the unit's gradient: when it is reduced now, when it already holds
+        an unreduced sum, or when unreduced sums add up apart in ``reduce_dtype``, so that the
         micro-batches add up in the order and precision they do on torch's FSDP2 unsharded
-        parameters (which move theirs at each post-backward). Otherwise they stay there, adding up. A backward ``reached`` the
-        unit that is reduced now also reduces a sum autograd added onto in place (the views of it the
-        resting Parameters show). Whether the unit has a gradient to reduce or keep now."""
+        parameters (which move theirs at each post-backward). Otherwise they stay there, adding up.
+        A backward that ``reached`` the unit and reduces it now also reduces a sum autograd added
+        onto in place (through the views of it the resting Parameters show). Whether the unit has a
+        gradient to reduce or keep now."""
         grads = self.views.new_resting_grads()
         given = [] if grads is None else [grad for grad in grads if grad is not None]
         added_in_place = reduce_now and reached and self.forward_on_resting_params and self.grad.is_unreduced
