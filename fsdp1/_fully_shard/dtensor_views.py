@@ -245,19 +245,23 @@ class DTensorParamViews(OrigParamViews):
     def _resting_params(self, unsharded: torch.Tensor, layout: ParamLayout) -> List[nn.Parameter]:
         """The resting Parameters over ``unsharded``: made once (again when the buffer or what is
         trainable changed); the buffer's storage is freed and refilled under them."""
-        requires_grad = list(self.requires_grad)
-        if (self._resting is None or self._resting[0] is not unsharded
-                or [param.requires_grad for param in self._resting[1]] != requires_grad):
+        params = self._resting_over(unsharded)
+        if params is None:
             views = layout.unflatten(unsharded.detach())
-            self._resting = (unsharded, [_param_over(view, trainable) for view, trainable in zip(views, requires_grad)])
-        return self._resting[1]
+            params = [_param_over(view, trainable) for view, trainable in zip(views, self.requires_grad)]
+            self._resting = (unsharded, params)
+        return params
+
+    def _resting_over(self, unsharded: torch.Tensor) -> Optional[List[nn.Parameter]]:
+        """The resting Parameters, where they view ``unsharded`` and are trainable as the parameters
+        are now (frozen or unfrozen since, the forward's views follow what is trainable now)."""
+        if self._resting is None or self._resting[0] is not unsharded:
+            return None
+        params = self._resting[1]
+        return params if [param.requires_grad for param in params] == list(self.requires_grad) else None
 
     def resting_params_shown(self, unsharded: torch.Tensor) -> Optional[List[nn.Parameter]]:
-        if not self._shows_resting or self._resting is None or self._resting[0] is not unsharded:
-            return None
-        if [param.requires_grad for param in self._resting[1]] != list(self.requires_grad):
-            return None  # frozen or unfrozen since: the forward's views follow what is trainable now
-        return self._resting[1]
+        return self._resting_over(unsharded) if self._shows_resting else None
 
     def new_resting_grads(self) -> Optional[List[Optional[torch.Tensor]]]:
         """What is on the resting Parameters' ``.grad`` but not a view of the unreduced sum shown there
