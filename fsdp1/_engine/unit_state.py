@@ -218,8 +218,11 @@ class UnitState:
                                ) -> Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]]:
         """A submodule called while its unit is IDLE is called from outside the unit's forward: run it
         as a forward of the unit. Inside the unit's forward or backward this is one attribute check,
-        which dynamo traces through."""
-        if self.training_state is not TrainingState.IDLE or self.handle is None:
+        which dynamo traces through. Inside a backward that is not the unit's (activation
+        checkpointing recomputing part of the unit in a pipeline's weight pass, after the unit's
+        input pass ended) it computes on what the unit shows: a forward of the unit there would
+        never end, a recomputation stopping as soon as it has what it saves."""
+        if self.training_state is not TrainingState.IDLE or self.handle is None or inside_backward():
             return None
         self._submodule_forward = submodule
         return self.pre_forward(submodule, args, kwargs)
