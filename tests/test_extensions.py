@@ -138,10 +138,11 @@ def test_the_custom_all_gather_carries_an_extensions_tensors_as_torchs():
         assert dtypes == [torch.uint8] * 6  # forward and backward, 3 steps
 
 
-def _two_tensor_backward():
+def _trained_two_tensors(impl, reshard):
     """torch's own test model: Linear weights that are ``TwoTensor``s (a wrapper subclass of two
-    tensors) gathered through an extension whose post-hook returns a ``TwoTensor``; the first
-    backward's error."""
+    tensors, here unequal) gathered through an extension whose post-hook returns a ``TwoTensor``, so
+    the loss and the gathered weights' gradients are ``TwoTensor``s; 3 SGD steps. The losses' two
+    halves, the first weight's first gradient and both weights' two halves at the end."""
     from torch.testing._internal.two_tensor import TwoTensor
 
     def pre(self, mesh):
@@ -154,26 +155,45 @@ def _two_tensor_backward():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8, bias=False), nn.ReLU(), nn.Linear(8, 8, bias=False))
     for index in (0, 2):
-        model[index].weight = nn.Parameter(TwoTensor(model[index].weight, model[index].weight.clone()))
+        weight = model[index].weight
+        model[index].weight = nn.Parameter(TwoTensor(weight.detach(), 2 * weight.detach()))
     TwoTensor.fsdp_pre_all_gather, TwoTensor.fsdp_post_all_gather = pre, post
     try:
-        fsdp1.fully_shard(model[0])
-        fsdp1.fully_shard(model)
-        model(torch.randn(2, 8)).sum().backward()
-    except NotImplementedError as error:
-        return str(error)
+        shard = fully_shard_of(impl)
+        shard(model[0], reshard_after_forward=reshard)
+        shard(model, reshard_after_forward=reshard)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses, first_grad = [], None
+        for step in range(3):
+            loss = model(torch.randn(2, 8, generator=torch.Generator().manual_seed(step + dist.get_rank()))).sum()
+            loss.backward()
+            losses.append((loss.a.item(), loss.b.item()))
+            if first_grad is None:
+                first_grad = model[0].weight.grad.to_local().clone()
+            optim.step()
+            optim.zero_grad()
+        weights = [(model[i].weight.to_local().a.clone(), model[i].weight.to_local().b.clone()) for i in (0, 2)]
     finally:
         del TwoTensor.fsdp_pre_all_gather, TwoTensor.fsdp_post_all_gather
-    return ""
+    return losses, first_grad, weights
 
 
-def test_a_wrapper_subclass_gradient_is_refused_naming_the_parameter():
-    """A gradient that is a tensor subclass of several tensors cannot be reduced in the unit's flat
-    gradient (torch's reduces the subclass itself): the first backward names the parameter and the
-    way out, where it crashed deep in fsdp1 ("resize_() on an invalid python storage")."""
-    for message in run_on_ranks(2, _two_tensor_backward):
-        assert "'2.weight'" in message or "'0.weight'" in message
-        assert "TwoTensor" in message
+def _two_tensors_as_torchs(reshard):
+    ours, theirs = _trained_two_tensors("fsdp1", reshard), _trained_two_tensors("torch", reshard)
+    return same_values(ours, theirs), type(ours[1]).__name__, ours[0][0][0] != ours[0][0][1]
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_a_wrapper_subclass_gradient_trains_as_under_torchs(reshard):
+    """A gradient that is a tensor subclass of several tensors (torch's ``TwoTensor``) trains as
+    under torch's: the subclass writes itself into the plain reduction input, as it does into
+    torch's, so the sharded gradient is a plain tensor with torch's values, and losses, gradients and
+    both halves of the weights are bitwise torch's. It crashed deep in fsdp1 ("resize_() on an
+    invalid python storage")."""
+    for same, grad_kind, halves_differ in run_on_ranks(2, _two_tensors_as_torchs, reshard):
+        assert same
+        assert grad_kind == "Tensor"
+        assert halves_differ  # the two halves train apart: a mix-up of them would show
 
 
 def _trained_int8(impl):

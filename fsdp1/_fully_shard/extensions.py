@@ -163,11 +163,7 @@ class _GradientToView(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None, None]:
         if is_traceable_wrapper_subclass(grad) and not isinstance(grad, DTensor):
-            raise NotImplementedError(
-                f"fsdp1: the gradient of '{ctx.name}', gathered by its all-gather extension, is a "
-                f"{type(grad).__name__} (a tensor subclass of several tensors), and fsdp1 reduces such a parameter's "
-                "gradient as a plain tensor in its group's flat gradient; torch's fully_shard reduces the subclass "
-                "itself. Make the post-all-gather hook return a tensor whose gradient is a plain tensor (torchao's "
-                "float8 and int8 training weights do), or use torch's fully_shard for this model."
-            )
+            plain = torch.empty(grad.shape, dtype=ctx.dtype, device=grad.device)
+            plain.copy_(grad)  # the subclass decides what a plain tensor takes of it, as in torch's copy into its reduce-scatter input
+            return plain, None, None
         return grad.to(ctx.dtype), None, None
