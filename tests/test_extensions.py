@@ -14,8 +14,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import fsdp1
-
 from _harness import run_on_ranks
 from _models import fully_shard_of, same_values
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.utils.checkpoint import checkpoint
 
 import fsdp1
 
@@ -34,12 +35,18 @@ SPLIT_BACKWARD = ["ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "Sch
 class Residual(nn.Module):
     """One block: an MLP (of odd width by default) around a residual connection."""
 
-    def __init__(self, hidden: int = 2 * DIM + 1) -> None:
+    def __init__(self, hidden: int = 2 * DIM + 1, checkpointed: bool = False) -> None:
         super().__init__()
         self.up = nn.Linear(DIM, hidden)
         self.down = nn.Linear(hidden, DIM)
+        self.checkpointed = checkpointed  # the body under non-reentrant activation checkpointing
 
     def forward(self, x):
+        if self.checkpointed:
+            return checkpoint(self._body, x, use_reentrant=False)
+        return self._body(x)
+
+    def _body(self, x):
         return x + self.down(torch.relu(self.up(x)))
 
 
@@ -94,10 +101,11 @@ def _mixed_precision(impl):
 def _trained_pipeline(impl, schedule_name, variant="fp32"):
     """Three AdamW steps; per step the losses, then every parameter's full value and the bytes one
     rank sent in the second step's gathers and reductions. ``variant``: "bf16" (a bf16
-    ``MixedPrecisionPolicy``), "resharded" (blocks resharded after forward)."""
+    ``MixedPrecisionPolicy``), "resharded" (blocks resharded after forward), "checkpointed" (each
+    block's body under activation checkpointing; the stages hold no parameters of their own)."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     torch.manual_seed(0)
-    blocks = [Residual() for _ in range(8)]
+    blocks = [Residual(checkpointed=variant == "checkpointed") for _ in range(8)]
     kwargs = _mixed_precision(impl) if variant == "bf16" else {}
     shard = _shard_blocks(impl, mesh["dp"], reshard_blocks=variant == "resharded", **kwargs)
     with _recognised(impl):
@@ -129,12 +137,17 @@ def test_schedules_train_as_torchs(schedule_name):
 
 
 @pytest.mark.parametrize("schedule_name, variant", [("Schedule1F1B", "bf16"), ("ScheduleInterleavedZeroBubble", "bf16"),
-                                                   ("Schedule1F1B", "resharded"), ("ScheduleInterleaved1F1B", "resharded")])
+                                                   ("Schedule1F1B", "resharded"), ("ScheduleInterleaved1F1B", "resharded"),
+                                                   ("ScheduleInterleavedZeroBubble", "checkpointed"),
+                                                   ("ScheduleDualPipeV", "checkpointed")])
 def test_schedule_variants_train_as_torchs(schedule_name, variant):
     """A bf16 ``MixedPrecisionPolicy``; blocks resharded after forward (gathered again in backward)
     under schedules of whole backwards, also one that gathers each stage before its first forward
     (that first forward computed on the resting Parameters, the next ones on views of the flat
-    parameter, and their mixed backwards were refused as a split backward)."""
+    parameter, and their mixed backwards were refused as a split backward); activation checkpointing
+    inside the blocks under split backwards (the weight pass recomputes a block outside the block's
+    own backward: that forward never ended, and the next step was refused on some ranks while the
+    others waited)."""
     _assert_trained_as_torchs(schedule_name, variant)
 
 
