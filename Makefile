@@ -1,18 +1,35 @@
-# Each target installs what it needs first, so it works on a fresh machine.
-# torch is pinned here (not in setup.py): a bare `torch` requirement pulls a multi-GB CUDA build.
-PYTHON ?= python3
+# Each target installs what it needs first, so it works on a fresh machine, and installs it into a
+# virtual environment: the active one, or else .venv here (made on first use), never the Python that
+# runs make. torch is pinned here (not in setup.py): a bare `torch` requirement pulls a multi-GB CUDA
+# build. pip picks the CPU build only where it is pointed at torch's CPU wheels (README: Install).
+BASE_PYTHON ?= python3
+VENV ?= .venv
+ifdef VIRTUAL_ENV
+PYTHON ?= $(VIRTUAL_ENV)/bin/python
+else
+PYTHON ?= $(VENV)/bin/python
+endif
 TORCH ?= torch==2.13.0
+PIP = $(PYTHON) -m pip install -q "$(TORCH)"
 TORCHRUN = OMP_NUM_THREADS=1 $(PYTHON) -m torch.distributed.run --standalone --nproc-per-node 2
 MIGRATION = examples/ddp_to_fsdp1
 
-.PHONY: test fuzz train migrate accelerate-example fully-shard benchmark install install-examples
+.PHONY: test fuzz train migrate accelerate-example fully-shard benchmark gpu-check install install-train install-examples
 
-install:
-	$(PYTHON) -m pip install -q "$(TORCH)" -e ".[test]"
+$(VENV)/bin/python:
+	$(BASE_PYTHON) -m venv $(VENV)
 
-# The examples and tools also run without these extras (no progress bar, no plots).
-install-examples:
-	$(PYTHON) -m pip install -q "$(TORCH)" -e ".[test,examples]"
+# What the tests need: the linters, the clients (Transformers, Accelerate, Lightning, PEFT), torchao.
+install: $(if $(VIRTUAL_ENV),,$(VENV)/bin/python)
+	$(PIP) -e ".[test]"
+
+# What the training examples need: torch, fsdp1, a progress bar and safetensors.
+install-train: $(if $(VIRTUAL_ENV),,$(VENV)/bin/python)
+	$(PIP) -e ".[examples]"
+
+# The examples that run a client (Accelerate, Transformers) or compare with torch need both.
+install-examples: $(if $(VIRTUAL_ENV),,$(VENV)/bin/python)
+	$(PIP) -e ".[test,examples]"
 
 test: install
 	$(PYTHON) -m ruff check .
@@ -25,7 +42,7 @@ fuzz: install
 	FSDP1_FUZZ_EXAMPLES=500 FSDP1_FUZZ_STACK_EXAMPLES=60 FSDP1_FUZZ_SHRINK=1 $(PYTHON) -m pytest -q tests/test_fuzz.py
 
 # A fresh run each time: it saves into out/checkpoints, which --resume continues (see docs/commands.md).
-train: install-examples
+train: install-train
 	rm -rf out/checkpoints
 	$(TORCHRUN) examples/train_gpt.py
 
@@ -54,3 +71,10 @@ fully-shard: install-examples
 
 benchmark: install-examples
 	$(PYTHON) -m tools.benchmark --json out/benchmark.json
+
+# On a machine with a CUDA GPU: fsdp1 against torch's FSDP there (tools/gpu_check.py). It installs
+# nothing and runs on the Python named here, whose torch must be a CUDA build; without CUDA it says so
+# and exits 0.
+GPU_PYTHON ?= python3
+gpu-check:
+	$(GPU_PYTHON) -m tools.gpu_check

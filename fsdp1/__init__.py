@@ -9,6 +9,7 @@ from ._engine.collectives import ProcessGroupBroken  # noqa: F401 - fsdp1's own,
 from ._engine.flat_param import FlatParameter  # noqa: F401 - importable, not in __all__, as in torch
 from ._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx
 from ._torch_alias import use_as_torch_fsdp  # noqa: F401 - fsdp1's own, so not in torch's __all__
+from ._torch_version import warn_if_untested
 from .api import (
     BackwardPrefetch,
     CPUOffload,
@@ -30,6 +31,8 @@ from .api import (
     StateDictType,
 )
 from .fully_sharded_data_parallel import FullyShardedDataParallel, OptimStateKeyType
+
+warn_if_untested()
 
 __version__ = "0.1.0"
 

@@ -10,6 +10,7 @@ import sys
 from enum import Enum
 
 import pytest
+import torch
 import torch.distributed.fsdp as torch_fsdp
 from torch import nn
 from torch.distributed.fsdp import wrap as torch_wrap
@@ -103,3 +104,19 @@ def test_the_names_signatures_and_methods_are_torchs():
     assert len(torch_methods) == 23
     for name in torch_methods:
         assert parameters(getattr(fsdp1.FSDPModule, name)) == parameters(getattr(torch_fsdp.FSDPModule, name)), name
+
+
+def test_an_untested_torch_release_is_named_once_at_import():
+    """fsdp1 warns on a torch release outside the tested range, naming both, and is silent on the
+    tested one (this suite's: importing fsdp1 with warnings as errors succeeds)."""
+    import subprocess
+    import sys
+
+    from fsdp1._torch_version import TESTED_TORCH, release, warn_if_untested
+
+    assert release("2.13.0+cpu") == (2, 13) and release("2.14.0a0+git1234") == (2, 14)
+    for version in ("2.11.0", "2.14.0", "3.0.0"):
+        with pytest.warns(UserWarning, match=f"tested on torch 2.13; this is torch {version}"):
+            warn_if_untested(version)
+    assert TESTED_TORCH[0] <= release(torch.__version__) <= TESTED_TORCH[1]
+    subprocess.run([sys.executable, "-W", "error", "-c", "import fsdp1"], check=True)

@@ -1,5 +1,6 @@
 """GPU peak memory and step time of the sharded paths on one GPU: each variant is rank 0 of a fake
-process group of ``--world-size`` ranks (collectives move nothing), fsdp1 next to torch's FSDP1.
+process group of ``--world-size`` ranks (collectives move nothing), fsdp1 next to torch's FSDP1 and
+FSDP2.
 
     python -m tools.gpu_fake_pg --world-size 8 --json out/gpu_fake_pg.json    # from the repository root
 
@@ -25,8 +26,9 @@ import torch
 from tools.memory_estimator import fake_process_group
 from tools.workload import BF16, VARIANTS, GPTSize
 
-PAIRS = ["full", "full_orig", "grad_op", "full_bf16", "full_offload"]
-"""The fsdp1_* / torch_fsdp1_* variants of tools/workload.py measured here."""
+PAIRS = [(f"torch_fsdp1_{kind}", f"fsdp1_{kind}") for kind in ("full", "full_orig", "grad_op", "full_bf16", "full_offload")]
+PAIRS.append(("torch_fsdp2", "fsdp1_fsdp2"))
+"""The variants of tools/workload.py measured here: torch's, then fsdp1's."""
 
 
 def measure(name: str, size: GPTSize, steps: int) -> dict:
@@ -73,8 +75,9 @@ def main() -> None:
             print(json.dumps(measure(args.only, size, args.steps)))
         return
     results = {}
+    anchors = {ours: theirs for theirs, ours in PAIRS}
     for pair in PAIRS:
-        for name in (f"torch_fsdp1_{pair}", f"fsdp1_{pair}"):
+        for name in pair:
             run = subprocess.run([sys.executable, "-m", "tools.gpu_fake_pg", *sys.argv[1:], "--only", name],
                                  capture_output=True, text=True)
             if run.returncode:
@@ -84,7 +87,7 @@ def main() -> None:
           f"GPT {vars(size)}, bf16 = {BF16}")
     print(f"{'variant':<26}{'built MiB':>10}{'peak MiB':>10}{'reserved':>10}{'retries':>8}{'step ms':>9}{'left':>6}{'peak/torch':>11}")
     for name, row in results.items():
-        anchor = results[name.replace("fsdp1_", "torch_fsdp1_", 1)] if name.startswith("fsdp1_") else row
+        anchor = results[anchors.get(name, name)]
         print(f"{name:<26}{row['built_mib']:>10.1f}{row['max_allocated_mib']:>10.1f}{row['max_reserved_mib']:>10.1f}"
               f"{row['alloc_retries']:>8}{row['step_ms']:>9.1f}{row['left_mib']:>6.0f}"
               f"{row['max_allocated_mib'] / anchor['max_allocated_mib']:>11.3f}")

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem, _get_registry
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .._engine import collectives as comm
 from .._engine.collectives import ProcessGroups
@@ -96,6 +97,8 @@ def fully_shard(
     ignored = {id(p) for p in ignored_params or ()}
     slots: List[ParamSlot] = []
     shardings: Dict[int, ParamSharding] = {}
+    for each in modules:
+        _move_to_mesh_device(each, ignored, _mesh_device(mesh))
     for each in modules:
         slots += _managed_slots(each, ignored, shard_placement_fn, dp_mesh, shardings)
     if dp_mesh_dims is not None and type(reshard_after_forward) is int:
@@ -241,6 +244,43 @@ def _check_module(module: nn.Module) -> None:
                 f"fsdp1: cannot fully_shard a module that contains the FullyShardedDataParallel unit '{name}': a "
                 "model uses FullyShardedDataParallel or fully_shard, not both. Build the model again and use one."
             )
+
+
+def _mesh_device(mesh: comm.DeviceMesh) -> torch.device:
+    """The device a mesh's ranks compute on: the current one of its accelerator."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, getattr(torch, mesh.device_type).current_device())
+
+
+def _move_to_mesh_device(module: nn.Module, ignored_ids: Set[int], device: torch.device) -> None:
+    """The parameters and buffers this group manages (not those of modules sharded before, not the
+    ignored ones) moved to the mesh's device in place, as torch's ``fully_shard`` moves them: a model
+    built on the CPU trains on the GPU of a CUDA mesh. Meta tensors stay for deferred initialisation;
+    DTensors (tensor parallelism) are where their own mesh put them."""
+    def stop(child: nn.Module) -> bool:
+        return is_fsdp_unit(child) or _is_replicated(child)
+
+    params = [slot.live_param for slot in iter_param_slots(module, stop=stop) if id(slot.live_param) not in ignored_ids]
+    buffers = [buffer for owner in _modules_until(module, stop) for buffer in owner._buffers.values() if buffer is not None]
+    with torch.no_grad():
+        for tensor in {id(t): t for t in params + buffers}.values():
+            if tensor.device == device or tensor.device.type == "meta" or isinstance(tensor, DTensor):
+                continue
+            if is_traceable_wrapper_subclass(tensor):  # its inner tensors move with it: swap the whole object
+                moved = tensor.to(device)
+                torch.utils.swap_tensors(tensor, nn.Parameter(moved, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else moved)
+            else:
+                tensor.data = tensor.to(device)
+
+
+def _modules_until(module: nn.Module, stop: Callable[[nn.Module], bool]) -> List[nn.Module]:
+    """``module`` and the modules below it, not descending into those for which ``stop`` holds."""
+    found = [module]
+    for child in module.children():
+        if not stop(child):
+            found += _modules_until(child, stop)
+    return found
 
 
 def _default_mesh() -> comm.DeviceMesh:
