@@ -23,11 +23,11 @@ $(VENV)/bin/python:
 install: $(if $(VIRTUAL_ENV),,$(VENV)/bin/python)
 	$(PIP) -e ".[test]"
 
-# What the training examples need: torch, fsdp1, a progress bar and safetensors.
+# What `make train` needs: torch, fsdp1 and a progress bar.
 install-train: $(if $(VIRTUAL_ENV),,$(VENV)/bin/python)
-	$(PIP) -e ".[examples]"
+	$(PIP) -e ".[train]"
 
-# The examples that run a client (Accelerate, Transformers) or compare with torch need both.
+# The other examples and tools: the clients (Accelerate, Transformers), plots, safetensors.
 install-examples: $(if $(VIRTUAL_ENV),,$(VENV)/bin/python)
 	$(PIP) -e ".[test,examples]"
 

@@ -4,7 +4,7 @@ from setuptools import find_packages, setup
 
 setup(
     name="fsdp1",
-    version="0.1.0",
+    version="0.5.0",
     description="A standalone re-implementation of PyTorch's classic FullyShardedDataParallel (FSDP1)",
     long_description=Path(__file__).with_name("README.md").read_text(),
     long_description_content_type="text/markdown",
@@ -24,6 +24,9 @@ setup(
         "test": ["pytest>=7", "expecttest>=0.2", "numpy", "transformers==5.23.0", "accelerate==1.15.0",
                  "lightning==2.6.6", "peft==0.21.0", "hypothesis>=6.100", "ruff==0.17.6", "mypy==2.4.1",
                  "torchao==0.18.0"],
+        # train: what `make train` needs besides torch (the progress bar); examples: the other examples and
+        # tools' plots and safetensors files.
+        "train": ["tqdm"],
         "examples": ["tqdm", "matplotlib", "safetensors"],
     },
 )

@@ -34,7 +34,7 @@ from .fully_sharded_data_parallel import FullyShardedDataParallel, OptimStateKey
 
 warn_if_untested()
 
-__version__ = "0.1.0"
+__version__ = "0.5.0"
 
 __all__ = [
     "BackwardPrefetch",

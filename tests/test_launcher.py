@@ -1,0 +1,88 @@
+"""Tests ``python -m fsdp1.run``: scripts written for torch's FSDP, run unedited under a launcher with
+fsdp1 in torch's place, train with fsdp1's classes and give torch's losses bit for bit: a Transformers
+``Trainer`` script with its ``--fsdp`` options, an Accelerate loop under ``accelerate launch`` with a
+config of ``fsdp_version: 2``, and a Lightning ``Trainer`` with ``FSDPStrategy`` and with
+``ModelParallelStrategy``. Accelerate and Lightning run FSDP only on accelerators; on this CPU
+machine ``tests/launcher/cpu_fsdp`` lifts those gates for the torch and the fsdp1 runs alike."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ROOT / "tests" / "launcher"
+
+pytest.importorskip("accelerate")
+pytest.importorskip("lightning")
+pytest.importorskip("transformers")
+
+
+def _run(tmp_path, launch, script, *args, fsdp1=True):
+    """``launch`` (a launcher's command) running ``script`` with ``args``, through ``-m fsdp1.run`` when
+    ``fsdp1``; what the script recorded."""
+    record = tmp_path / f"record_{len(list(tmp_path.iterdir()))}.json"
+    env = {**os.environ, "RECORD_TO": str(record), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(SCRIPTS / "cpu_fsdp"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    command = [*launch, *(["-m", "fsdp1.run"] if fsdp1 else []), str(SCRIPTS / script), *args]
+    run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    return json.loads(record.read_text())
+
+
+def _torchrun():
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+
+TRAINER_ARGS = ["--use_cpu", "--max_steps", "3", "--per_device_train_batch_size", "2", "--learning_rate", "1e-2",
+                "--logging_steps", "1", "--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true",
+                "--fsdp", "full_shard auto_wrap", "--fsdp_config", '{"transformer_layer_cls_to_wrap": ["GPT2Block"]}']
+
+
+def test_a_transformers_trainer_script_with_its_fsdp_options(tmp_path):
+    args = ["--output_dir", str(tmp_path / "out"), *TRAINER_ARGS]
+    ours = _run(tmp_path, _torchrun(), "trainer_train.py", *args)
+    theirs = _run(tmp_path, _torchrun(), "trainer_train.py", *args, fsdp1=False)
+    assert ours["engines"] == ["fsdp1:FSDPModule"]  # Transformers 5 shards with fully_shard by default
+    assert theirs["engines"] == ["torch:FSDPModule"]
+    assert len(ours["losses"]) == 3 and ours["losses"] == theirs["losses"]
+
+
+def test_an_accelerate_script_under_an_fsdp_version_2_config(tmp_path):
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(SCRIPTS / "fsdp2.yaml")]
+    ours = _run(tmp_path, launch, "accelerate_train.py")
+    theirs = _run(tmp_path, launch, "accelerate_train.py", fsdp1=False)
+    assert ours["engines"] == ["fsdp1:FSDPModule"]
+    assert theirs["engines"] == ["torch:FSDPModule"]
+    assert len(ours["losses"]) == 4 and ours["losses"] == theirs["losses"]
+
+
+def test_a_lightning_trainer_with_fsdp_strategy_and_with_model_parallel_strategy(tmp_path):
+    """torch's FSDP1 cannot run under Lightning on the CPU (Lightning gives it no device, and it asks
+    for an accelerator), so ``FSDPStrategy`` is held to torch's ``fully_shard`` under
+    ``ModelParallelStrategy`` on the same model and data (Lightning's DDP gives the same losses too)."""
+    fsdp = _run(tmp_path, _torchrun(), "lightning_train.py", "fsdp")
+    sharded = _run(tmp_path, _torchrun(), "lightning_train.py", "model_parallel")
+    torchs = _run(tmp_path, _torchrun(), "lightning_train.py", "model_parallel", fsdp1=False)
+    assert fsdp["engines"] == ["fsdp1:FullyShardedDataParallel"]
+    assert (sharded["engines"], torchs["engines"]) == (["fsdp1:FSDPModule"], ["torch:FSDPModule"])
+    assert len(fsdp["losses"]) == 4 and fsdp["losses"] == sharded["losses"] == torchs["losses"]
+
+
+def test_a_module_runs_as_python_dash_m_runs_it_and_bad_calls_say_how(tmp_path):
+    (tmp_path / "which_fsdp.py").write_text(
+        "import sys\nimport torch.distributed.fsdp as fsdp\n"
+        "print(fsdp.FullyShardedDataParallel.__module__, fsdp.fully_shard.__module__, sys.argv, __name__)\n")
+    run = subprocess.run([sys.executable, "-m", "fsdp1.run", "-m", "which_fsdp", "--lr", "3"], cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split()[:2] == ["fsdp1.fully_sharded_data_parallel", "fsdp1._fully_shard.fully_shard"]
+    assert "'--lr', '3']" in run.stdout and run.stdout.rstrip().endswith("__main__")
+    for args, code, says in (([], 2, "usage: python -m fsdp1.run SCRIPT"), (["missing.py"], 1, "no script 'missing.py'"),
+                             (["-m"], 1, "-m needs a module name")):
+        run = subprocess.run([sys.executable, "-m", "fsdp1.run", *args], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == code and says in run.stderr, (args, run.stderr)
