@@ -23,7 +23,7 @@ $(VENV)/bin/python:
 install: $(if $(VIRTUAL_ENV),,$(VENV)/bin/python)
 	$(PIP) -e ".[test]"
 
-# What `make train` needs: torch, fsdp1 and a progress bar.
+# What `make train` needs: torch, fsdp1, a progress bar and numpy (for torch's distributed checkpoint).
 install-train: $(if $(VIRTUAL_ENV),,$(VENV)/bin/python)
 	$(PIP) -e ".[train]"
 

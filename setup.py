@@ -24,9 +24,10 @@ setup(
         "test": ["pytest>=7", "expecttest>=0.2", "numpy", "transformers==5.23.0", "accelerate==1.15.0",
                  "lightning==2.6.6", "peft==0.21.0", "hypothesis>=6.100", "ruff==0.17.6", "mypy==2.4.1",
                  "torchao==0.18.0"],
-        # train: what `make train` needs besides torch (the progress bar); examples: the other examples and
-        # tools' plots and safetensors files.
-        "train": ["tqdm"],
+        # train: what `make train` needs besides torch: the progress bar, and numpy, through which torch's
+        # distributed checkpoint (the example's checkpoints) gathers objects (torch does not install it);
+        # examples: the other examples and tools' plots and safetensors files.
+        "train": ["tqdm", "numpy"],
         "examples": ["tqdm", "matplotlib", "safetensors"],
     },
 )

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from _harness import run_on_ranks
 from _models import fully_shard_of, same_values
@@ -136,11 +137,24 @@ def test_the_custom_all_gather_carries_an_extensions_tensors_as_torchs():
         assert dtypes == [torch.uint8] * 6  # forward and backward, 3 steps
 
 
-def _trained_two_tensors(impl, reshard):
+class _Checkpointed(nn.Module):
+    """``module`` under non-reentrant activation checkpointing."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.inner = module
+
+    def forward(self, x):
+        return checkpoint(self.inner, x, use_reentrant=False)
+
+
+def _trained_two_tensors(impl, reshard, variant):
     """torch's own test model: Linear weights that are ``TwoTensor``s (a wrapper subclass of two
     tensors, here unequal) gathered through an extension whose post-hook returns a ``TwoTensor``, so
-    the loss and the gathered weights' gradients are ``TwoTensor``s; 3 SGD steps. The losses' two
-    halves, the first weight's first gradient and both weights' two halves at the end."""
+    the loss and the gathered weights' gradients are ``TwoTensor``s; 3 SGD steps. ``variant``
+    "biased": plain biases beside them (whose gradients are ``TwoTensor``s too) and each Linear under
+    activation checkpointing. The losses' two halves, the first weight's first gradient and both
+    weights' two halves at the end."""
     from torch.testing._internal.two_tensor import TwoTensor
 
     def pre(self, mesh):
@@ -151,10 +165,13 @@ def _trained_two_tensors(impl, reshard):
             return TwoTensor(*outputs).to(param_dtype), outputs
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8, bias=False), nn.ReLU(), nn.Linear(8, 8, bias=False))
+    biased = variant == "biased"
+    model = nn.Sequential(nn.Linear(8, 8, bias=biased), nn.ReLU(), nn.Linear(8, 8, bias=biased))
     for index in (0, 2):
         weight = model[index].weight
         model[index].weight = nn.Parameter(TwoTensor(weight.detach(), 2 * weight.detach()))
+        if biased:
+            model[index] = _Checkpointed(model[index])
     TwoTensor.fsdp_pre_all_gather, TwoTensor.fsdp_post_all_gather = pre, post
     try:
         shard = fully_shard_of(impl)
@@ -167,30 +184,33 @@ def _trained_two_tensors(impl, reshard):
             loss.backward()
             losses.append((loss.a.item(), loss.b.item()))
             if first_grad is None:
-                first_grad = model[0].weight.grad.to_local().clone()
+                first_grad = [param.grad.to_local().clone() for param in model.parameters()]
             optim.step()
             optim.zero_grad()
-        weights = [(model[i].weight.to_local().a.clone(), model[i].weight.to_local().b.clone()) for i in (0, 2)]
+        weights = [(weight.to_local().a.clone(), weight.to_local().b.clone()) for name, weight in model.named_parameters()
+                   if name.endswith("weight")]
     finally:
         del TwoTensor.fsdp_pre_all_gather, TwoTensor.fsdp_post_all_gather
     return losses, first_grad, weights
 
 
-def _two_tensors_as_torchs(reshard):
-    ours, theirs = _trained_two_tensors("fsdp1", reshard), _trained_two_tensors("torch", reshard)
-    return same_values(ours, theirs), type(ours[1]).__name__, ours[0][0][0] != ours[0][0][1]
+def _two_tensors_as_torchs(reshard, variant):
+    ours, theirs = _trained_two_tensors("fsdp1", reshard, variant), _trained_two_tensors("torch", reshard, variant)
+    return same_values(ours, theirs), {type(grad).__name__ for grad in ours[1]}, ours[0][0][0] != ours[0][0][1]
 
 
-@pytest.mark.parametrize("reshard", [True, False])
-def test_a_wrapper_subclass_gradient_trains_as_under_torchs(reshard):
+@pytest.mark.parametrize("reshard, variant", [(True, "plain"), (False, "plain"), (True, "biased"), (False, "biased")])
+def test_a_wrapper_subclass_gradient_trains_as_under_torchs(reshard, variant):
     """A gradient that is a tensor subclass of several tensors (torch's ``TwoTensor``) trains as
     under torch's: the subclass writes itself into the plain reduction input, as it does into
     torch's, so the sharded gradient is a plain tensor with torch's values, and losses, gradients and
     both halves of the weights are bitwise torch's. It crashed deep in fsdp1 ("resize_() on an
-    invalid python storage")."""
-    for same, grad_kind, halves_differ in run_on_ranks(2, _two_tensors_as_torchs, reshard):
+    invalid python storage"), and so did a plain bias beside such a weight, whose gradient is one
+    too; activation checkpointing around such a weight failed in backward (its recomputation computed
+    on a weight outside autograd, saving other tensors than the forward)."""
+    for same, grad_kinds, halves_differ in run_on_ranks(2, _two_tensors_as_torchs, reshard, variant):
         assert same
-        assert grad_kind == "Tensor"
+        assert grad_kinds == {"Tensor"}
         assert halves_differ  # the two halves train apart: a mix-up of them would show
 
 

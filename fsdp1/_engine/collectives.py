@@ -11,7 +11,9 @@ next collectives with the wrong partners, and ``check_in_step`` compares the cou
 """
 
 import atexit
+import ctypes
 import os
+import pickle
 import time
 import weakref
 import zlib
@@ -284,11 +286,15 @@ def scatter_from_first(output: torch.Tensor, full: Optional[torch.Tensor], group
 
 def broadcast_object_from_first(obj: Any, group: ProcessGroup) -> Any:
     """The first rank's ``obj`` on every rank (small metadata only: it is pickled)."""
-    holder = [obj]
+    device = _object_device(group)
+    data = _pickled(obj, device)
+    size = torch.tensor([data.numel()], dtype=torch.long, device=device)
     source = dist.get_global_rank(group, 0)
-    _issue(group, "broadcast of an object", None, None,
-           lambda: dist.broadcast_object_list(holder, src=source, group=group))
-    return holder[0]
+    _issue(group, "broadcast of an object's size", size, None, lambda: dist.broadcast(size, src=source, group=group))
+    if group_rank(group) != 0:
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    _issue(group, "broadcast of an object", data, None, lambda: dist.broadcast(data, src=source, group=group))
+    return _unpickled(data)
 
 
 def subgroup_of_this_rank(rank_lists: List[List[int]]) -> ProcessGroup:
@@ -314,9 +320,34 @@ def global_rank() -> int:
 
 def all_gather_object(obj: Any, group: ProcessGroup) -> List[Any]:
     """Every rank's ``obj``, in group-rank order (small metadata only: it is pickled)."""
-    gathered: List[Any] = [None] * group_size(group)
-    _issue(group, "all-gather of an object", None, None, lambda: dist.all_gather_object(gathered, obj, group=group))
-    return gathered
+    device = _object_device(group)
+    data = _pickled(obj, device)
+    world = group_size(group)
+    sizes = torch.empty(world, dtype=torch.long, device=device)
+    mine = torch.tensor([data.numel()], dtype=torch.long, device=device)
+    _issue(group, "all-gather of object sizes", mine, None, lambda: _all_gather_single(sizes, mine, group=group))
+    longest = int(sizes.max().item())
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[:data.numel()] = data
+    every = torch.empty(world * longest, dtype=torch.uint8, device=device)
+    _issue(group, "all-gather of an object", padded, None, lambda: _all_gather_single(every, padded, group=group))
+    return [_unpickled(every[rank * longest:rank * longest + int(size)]) for rank, size in enumerate(sizes.tolist())]
+
+
+def _object_device(group: ProcessGroup) -> torch.device:
+    """Where an object's bytes travel: NCCL moves only CUDA tensors."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+
+
+def _pickled(obj: Any, device: torch.device) -> torch.Tensor:
+    """``obj`` pickled into a uint8 tensor. torch's own object collectives go through numpy, which
+    torch does not install: these need torch alone."""
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+
+
+def _unpickled(data: torch.Tensor) -> Any:
+    data = data.cpu().contiguous()
+    return pickle.loads(ctypes.string_at(data.data_ptr(), data.numel()))
 
 
 # ---------------------------------------------------------------------------------------------- health

@@ -19,6 +19,8 @@ from enum import Enum, auto
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple, cast
 
 import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import collectives as comm
 from .device import run_on_stream, wait_for_device
@@ -26,6 +28,18 @@ from .layout import ParamLayout, free_storage
 from .mixed_precision import HandlePrecision
 from .shard_math import gradient_divide_factors
 from .views import ParamViews, assign_grad
+
+
+def plain_gradient(grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``grad`` in ``dtype`` as a plain tensor. A gradient that is a tensor subclass of several tensors
+    (a module computing on one, torch's ``TwoTensor``) writes itself into a plain tensor as its own
+    ``copy_`` decides, as it does into torch's reduce-scatter input, so the reduction sees torch's
+    values."""
+    if is_traceable_wrapper_subclass(grad) and not isinstance(grad, DTensor):
+        plain = torch.empty(grad.shape, dtype=dtype, device=grad.device)
+        plain.copy_(grad)
+        return plain
+    return grad.to(dtype)
 
 
 class GradPhase(Enum):
@@ -321,6 +335,8 @@ class FlatGrad:
             raise RuntimeError(f"fsdp1 internal error: unit '{self.path}' reduced its gradient in phase {self.phase.name}")
         grad, unreduced_sum = self._flat_param.grad, self._unreduced_sum
         self._flat_param.grad = self._unreduced_sum = None
+        if grad is not None:
+            grad = plain_gradient(grad, grad.dtype)
         if unreduced_sum is not None:  # alone where the last backward's gradient joined it already
             grad = unreduced_sum if grad is None else unreduced_sum.add_(grad)
         assert grad is not None, "the post-backward hook runs once autograd has accumulated the gradient"

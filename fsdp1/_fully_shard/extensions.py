@@ -16,11 +16,10 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .._engine import collectives as comm
 from .._engine.dtensors import contiguous_stride
+from .._engine.flat_grad import plain_gradient
 from .._engine.layout import alloc_storage, free_storage
 
 
@@ -73,19 +72,24 @@ class ExtensionGather:
         parameter's place in the gathered buffer) takes its gradient."""
         if not self._is_gathered:
             self._gather()
-        if self._made is None or self._made[0] is not view:
-            assert self._unsharded is not None, "gathered just above"
-            self._made = (view, _GradientToView.apply(view, self._unsharded, self.name))
-        return self._made[1]
+        if self._made is not None and self._made[0] is view:
+            return self._made[1]
+        assert self._unsharded is not None, "gathered just above"
+        made = _GradientToView.apply(view, self._unsharded, self.name)
+        if not view.is_leaf:  # a forward's view of the flat parameter: a recomputation in backward gets it back
+            self._made = (view, made)
+        return made
 
     def free(self) -> None:
         """The unit resharded: the gathered buffers and the tensors the post-hook named go, their
-        objects stay for the next gather to refill."""
+        objects stay for the next gather to refill. So does what the module computed on: the same
+        view installed again in backward (activation checkpointing's recomputation) gets it back,
+        tied to autograd as in forward, where one made in backward would be made without grad (the
+        Parameters shown between forward and backward, leaves, never replace it)."""
         if self._is_gathered:
             for tensor in self._outputs + self._inner:
                 free_storage(tensor)
             self._is_gathered = False
-        self._made = None
 
     def prepare(self) -> List[torch.Tensor]:
         """The pre-hook's tensors to gather, this rank's (the unit's gather carries them, in bytes:
@@ -162,8 +166,4 @@ class _GradientToView(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None, None]:
-        if is_traceable_wrapper_subclass(grad) and not isinstance(grad, DTensor):
-            plain = torch.empty(grad.shape, dtype=ctx.dtype, device=grad.device)
-            plain.copy_(grad)  # the subclass decides what a plain tensor takes of it, as in torch's copy into its reduce-scatter input
-            return plain, None, None
-        return grad.to(ctx.dtype), None, None
+        return plain_gradient(grad, ctx.dtype), None, None
