@@ -639,3 +639,36 @@ def test_a_compiled_update_over_the_dtensor_parameters_and_gradients_is_torchs()
     """Each DTensor is built on its own local tensor, as ``from_local`` builds: dynamo failed on ones
     built on a stand-in ("set the storage of a tensor on device cpu to a storage on ... meta")."""
     assert run_on_ranks(2, _compiled_steps_as_torchs) == [True, True]
+
+
+def _blocks_compiled_before_sharding(impl):
+    """torchtitan's order: each block compiled (``fullgraph``) in place, then sharded. Two SGD steps;
+    the losses and the number of graphs dynamo compiled."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = make_gpt()
+    for block in model.blocks:
+        block.compile(backend="aot_eager", fullgraph=True)
+    model = shard_gpt(model, fully_shard_of(impl))
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in range(2):
+        loss = lm_loss(model, *batch(step, rank, world_size))
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return losses, counters["stats"]["unique_graphs"]
+
+
+def _compiled_blocks_as_torchs():
+    return _blocks_compiled_before_sharding("fsdp1"), _blocks_compiled_before_sharding("torch")
+
+
+def test_blocks_compiled_with_fullgraph_before_sharding_train_as_torchs_with_no_more_graphs():
+    for (losses, graphs), (their_losses, their_graphs) in run_on_ranks(2, _compiled_blocks_as_torchs):
+        assert losses == their_losses
+        assert 0 < graphs <= their_graphs

@@ -268,6 +268,37 @@ def test_dcp_checkpoint_of_model_and_adamw_resumes_bit_for_bit_across_fsdp1_and_
             assert_bitwise(values, expected_values)
 
 
+def _async_save_while_training(path: str):
+    """``dcp.async_save`` on a gloo group of its own, as torchtitan saves, while training goes on: the
+    checkpoint holds the values of the step it was taken at."""
+    model = _sharded("fsdp1")
+    optim = _adamw(model.parameters())
+    train_steps(model, optim, 0, STEPS)
+    saved = _full_values(model)
+    future = dcp.async_save(_app_state(model, optim, "get_state_dict"), checkpoint_id=path,
+                            process_group=dist.new_group(backend="gloo"))
+    train_steps(model, optim, STEPS, STEPS)  # the parameters change while the save runs
+    future.result()
+    return saved, _full_values(model)
+
+
+def _torch_loads(path: str):
+    model = _sharded("torch", seed=1)
+    optim = _adamw(model.parameters())
+    state = _copies(_app_state(model, optim, "get_state_dict"))
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return _full_values(model)
+
+
+def test_dcp_async_save_while_training_loads_into_torchs_fully_shard(tmp_path):
+    path = str(tmp_path / "ckpt")
+    saved = run_on_ranks(2, _async_save_while_training, path)
+    for (at_save, after), loaded in zip(saved, run_on_ranks(2, _torch_loads, path)):
+        assert_bitwise(loaded, at_save)
+        assert any(not torch.equal(after[key], at_save[key]) for key in at_save)  # training went on meanwhile
+
+
 # ------------------------------------------------------------------------------ FSDP1 <-> FSDP2 migration
 def _fsdp1_wrapper(seed: int = 0):
     return wrap_fsdp1(make_model(seed), use_orig_params=True)

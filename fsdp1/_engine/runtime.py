@@ -75,6 +75,16 @@ def eager_only(fn: _Fn) -> _Fn:
     return call  # type: ignore[return-value]  # same signature as fn
 
 
+def eager_hook(hook: _Fn) -> _Fn:
+    """``hook`` (an ``eager_only`` bound method) as a module hook: where dynamo is loaded already (a
+    block compiled before it is sharded, as torchtitan orders them), marked for dynamo itself, which
+    then runs it outside a ``fullgraph`` compile of the module; dynamo cannot see through the lazy
+    wrapper there, and refuses the whole graph."""
+    if "torch._dynamo" not in sys.modules:
+        return hook
+    return torch._dynamo.disable(hook, recursive=True)
+
+
 class WeakPartial:
     """``partial(fn, *objects)`` that holds the objects weakly, for hooks kept by a tensor or an
     autograd node: the garbage collector cannot see through those, so a hook holding its unit would

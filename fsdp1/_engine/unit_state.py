@@ -26,7 +26,7 @@ from .device import move_to_device
 from .flat_param import RESTING, FlatParamHandle
 from .group_forward import GroupForward
 from .mixed_precision import cast_floating_tensors
-from .runtime import RootState, WeakPartial, current_graph_task, eager_only, inside_backward
+from .runtime import RootState, WeakPartial, current_graph_task, eager_hook, eager_only, inside_backward
 from .schedule import UnitSchedule
 from .traversal import FSDP_STATE, fsdp_units, iter_tensors, iter_unit_submodules
 from .views import FLAT_PARAM
@@ -205,8 +205,8 @@ class UnitState:
         if self.also_hooked:
             self._group_forward = GroupForward(self, modules)
         else:
-            self.hooked.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
-            self.hooked.register_forward_hook(self.post_forward)
+            self.hooked.register_forward_pre_hook(eager_hook(self.pre_forward), prepend=True, with_kwargs=True)
+            self.hooked.register_forward_hook(eager_hook(self.post_forward))
         submodules = {id(m): m for module in modules for m in iter_unit_submodules(module, self.ignored_modules)}
         if self.handle is not None:
             submodules.update((id(m), m) for m in self.handle.views.param_modules() if all(m is not module for module in modules))
