@@ -10,9 +10,10 @@ PACKAGE = Path(__file__).resolve().parent.parent / "fsdp1"
 
 ENGINE, STATE_DICTS, WRAPPER_FRONT, FULLY_SHARD_FRONT = "_engine", "_state_dict", "_wrapper", "_fully_shard"
 
-# The public modules at torch's paths; each may import any package.
+# The modules at the top: those at torch's paths, the launcher and the two that serve ``__init__``;
+# each may import any package.
 PUBLIC = {"__init__", "api", "wrap", "fully_sharded_data_parallel", "checkpoint", "comm_hooks", "sharded_grad_scaler",
-          "_torch_alias"}
+          "run", "_torch_alias", "_torch_version"}
 
 # What each package may import besides itself: a package is never allowed a public module but the
 # configuration data of ``api`` and the wrap policies' planner of ``wrap``.
