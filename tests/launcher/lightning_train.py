@@ -1,6 +1,7 @@
-"""A Lightning Trainer script with its strategy named on the command line, as Lightning's docs set each
-up: `fsdp` (FSDPStrategy, torch's FSDP1 wrapping each block), `model_parallel` (ModelParallelStrategy:
-the module shards itself with torch's fully_shard in configure_model) or `ddp`."""
+"""A Lightning Trainer script that trains with each strategy named on its command line in turn, each set
+up as Lightning's docs set it up: `fsdp` (FSDPStrategy, torch's FSDP1 wrapping each block),
+`model_parallel` (ModelParallelStrategy: the module shards itself with torch's fully_shard in
+configure_model) or `ddp`."""
 
 import sys
 
@@ -19,12 +20,15 @@ class Sharded(Regression):
         fully_shard(self, mesh=mesh)
 
 
-name = sys.argv[1]
-strategy = {"fsdp": lambda: FSDPStrategy(auto_wrap_policy={Block}),
-            "model_parallel": lambda: ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
-            "ddp": lambda: "ddp"}[name]()
-model = Sharded() if name == "model_parallel" else Regression()
-trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=4, logger=False, enable_checkpointing=False,
-                    enable_progress_bar=False, enable_model_summary=False)
-trainer.fit(model)
-record(model.losses, trainer.strategy.model)
+STRATEGIES = {"fsdp": lambda: FSDPStrategy(auto_wrap_policy={Block}),
+              "model_parallel": lambda: ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+              "ddp": lambda: "ddp"}
+
+runs = {}
+for name in sys.argv[1:]:
+    model = Sharded() if name == "model_parallel" else Regression()
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=STRATEGIES[name](), max_steps=4, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model)
+    runs[name] = (model.losses, trainer.strategy.model)
+record({name: losses for name, (losses, _) in runs.items()}, *(model for _, model in runs.values()))
