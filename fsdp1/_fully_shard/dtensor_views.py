@@ -189,7 +189,7 @@ class DTensorParamViews(OrigParamViews):
         extension = self._extensions.get(index)
         if extension is None or extension.local is not local:
             extension = ExtensionGather(local, self.shapes[index], self.shardings[index].shard_dim, self.slots[index].module,
-                                        self._gather_context, self.clean_fqn(self.slots[index]))
+                                        self._gather_context)
             self._extensions[index] = extension
         return extension
 

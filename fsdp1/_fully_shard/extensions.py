@@ -45,13 +45,10 @@ def has_extension(tensor: torch.Tensor) -> bool:
 
 class ExtensionGather:
     """One parameter's gathers through its extension: ``local`` its sharded local tensor, ``size``
-    the unsharded (local, for a tensor-parallel parameter) size, ``module`` the module that holds it,
-    ``name`` the parameter's."""
+    the unsharded (local, for a tensor-parallel parameter) size, ``module`` the module that holds it."""
 
-    def __init__(self, local: torch.Tensor, size: torch.Size, shard_dim: int, module: nn.Module, context: GatherContext,
-                 name: str) -> None:
+    def __init__(self, local: torch.Tensor, size: torch.Size, shard_dim: int, module: nn.Module, context: GatherContext) -> None:
         self.local = local
-        self.name = name  # the parameter's clean name, for messages
         self._size, self._module, self._context = size, module, context
         assert context.shard_mesh is not None, "fully_shard refuses extensions without a shard dim"
         self._mesh = context.shard_mesh
@@ -75,7 +72,7 @@ class ExtensionGather:
         if self._made is not None and self._made[0] is view:
             return self._made[1]
         assert self._unsharded is not None, "gathered just above"
-        made = _GradientToView.apply(view, self._unsharded, self.name)
+        made = _GradientToView.apply(view, self._unsharded)
         if not view.is_leaf:  # a forward's view of the flat parameter: a recomputation in backward gets it back
             self._made = (view, made)
         return made
@@ -160,10 +157,10 @@ class _GradientToView(torch.autograd.Function):
     place in the gathered buffer), in the view's dtype."""
 
     @staticmethod
-    def forward(ctx: Any, view: torch.Tensor, unsharded: torch.Tensor, name: str) -> torch.Tensor:
-        ctx.dtype, ctx.name = view.dtype, name
+    def forward(ctx: Any, view: torch.Tensor, unsharded: torch.Tensor) -> torch.Tensor:
+        ctx.dtype = view.dtype
         return unsharded.detach()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None, None]:
-        return plain_gradient(grad, ctx.dtype), None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:
+        return plain_gradient(grad, ctx.dtype), None
