@@ -2,8 +2,9 @@
 fsdp1 in torch's place, train with fsdp1's classes and give torch's losses bit for bit: a Transformers
 ``Trainer`` script with its ``--fsdp`` options, an Accelerate loop under ``accelerate launch`` with a
 config of ``fsdp_version: 2``, and a Lightning ``Trainer`` with ``FSDPStrategy`` and with
-``ModelParallelStrategy``. Accelerate and Lightning run FSDP only on accelerators; on this CPU
-machine ``tests/launcher/cpu_fsdp`` lifts those gates for the torch and the fsdp1 runs alike."""
+``ModelParallelStrategy``, and torch's FSDP tutorial, whose script spawns its own ranks. Accelerate
+and Lightning run FSDP only on accelerators; on this CPU machine ``tests/launcher/cpu_fsdp`` lifts
+those gates for the torch and the fsdp1 runs alike."""
 
 import json
 import os
@@ -21,11 +22,11 @@ pytest.importorskip("lightning")
 pytest.importorskip("transformers")
 
 
-def _run(tmp_path, launch, script, *args, fsdp1=True):
+def _run(tmp_path, launch, script, *args, fsdp1=True, env=None):
     """``launch`` (a launcher's command) running ``script`` with ``args``, through ``-m fsdp1.run`` when
-    ``fsdp1``; what the script recorded."""
+    ``fsdp1``, with ``env`` added to the environment; what the script recorded."""
     record = tmp_path / f"record_{len(list(tmp_path.iterdir()))}.json"
-    env = {**os.environ, "RECORD_TO": str(record), "OMP_NUM_THREADS": "1",
+    env = {**os.environ, **(env or {}), "RECORD_TO": str(record), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(SCRIPTS / "cpu_fsdp"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
     command = [*launch, *(["-m", "fsdp1.run"] if fsdp1 else []), str(SCRIPTS / script), *args]
     run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
@@ -73,20 +74,48 @@ def test_a_lightning_trainer_with_fsdp_strategy_and_with_model_parallel_strategy
     assert len(losses) == 4 and ours["losses"] == {"fsdp": losses, "model_parallel": losses}
 
 
+def test_ranks_the_script_spawns_itself_train_on_fsdp1(tmp_path):
+    """torch's FSDP tutorial starts its ranks with ``mp.spawn``: fresh interpreters, which the
+    launcher reaches through their PYTHONPATH (they trained on torch's FSDP, silently)."""
+    env = {"MASTER_PORT": str(_free_port())}
+    ours = _run(tmp_path, [sys.executable], "spawn_train.py", env=env)
+    theirs = _run(tmp_path, [sys.executable], "spawn_train.py", fsdp1=False, env=env)
+    assert ours["engines"] == ["fsdp1:FullyShardedDataParallel"]
+    assert theirs["engines"] == ["torch:FullyShardedDataParallel"]
+    assert len(ours["losses"]) == 3 and ours["losses"] == theirs["losses"]
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def test_a_module_runs_as_python_dash_m_runs_it(tmp_path):
+    """And a script as ``python`` runs one: an absolute ``__file__``, a folder's ``__main__.py``, its
+    exit status."""
     (tmp_path / "which_fsdp.py").write_text(
         "import sys\nimport torch.distributed.fsdp as fsdp\n"
         "print(fsdp.FullyShardedDataParallel.__module__, fsdp.fully_shard.__module__, sys.argv, __name__)\n")
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "__main__.py").write_text("import sys\nprint(__file__)\nsys.exit(3)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     run = subprocess.run([sys.executable, "-m", "fsdp1.run", "-m", "which_fsdp", "--lr", "3"], cwd=tmp_path,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
+                         env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.split()[:2] == ["fsdp1.fully_sharded_data_parallel", "fsdp1._fully_shard.fully_shard"]
     assert "'--lr', '3']" in run.stdout and run.stdout.rstrip().endswith("__main__")
+    run = subprocess.run([sys.executable, "-m", "fsdp1.run", "app"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 3 and run.stdout.strip() == str(tmp_path / "app" / "__main__.py")
 
 
 @pytest.mark.parametrize("args, code, says", [([], 2, "usage: python -m fsdp1.run SCRIPT"),
                                               (["missing.py"], None, "no script 'missing.py'"),
-                                              (["-m"], None, "-m needs a module name")])
+                                              (["-m"], None, "-m needs a module name"),
+                                              (["-m", "no_such_module"], None, "no module named 'no_such_module'")])
 def test_bad_calls_say_how(args, code, says, capsys):
     from fsdp1.run import main
 
