@@ -73,8 +73,8 @@ benchmark: install-examples
 	$(PYTHON) -m tools.benchmark --json out/benchmark.json
 
 # On a machine with a CUDA GPU: fsdp1 against torch's FSDP there (tools/gpu_check.py). It installs
-# nothing and runs on the Python named here, whose torch must be a CUDA build; without CUDA it says so
-# and exits 0.
-GPU_PYTHON ?= python3
+# nothing and runs on the Python named here (the environment `make test` made, else python3), whose
+# torch must be a CUDA build; without CUDA it says so and exits 0.
+GPU_PYTHON ?= $(if $(wildcard $(PYTHON)),$(PYTHON),python3)
 gpu-check:
 	$(GPU_PYTHON) -m tools.gpu_check
