@@ -38,7 +38,8 @@ def materialization_device(device_id: Optional[Union[int, torch.device]]) -> tor
     if device_id is None:
         return torch.device("cpu")
     device = torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
-    if device.type == "cuda" and device.index is None:
+    index: Optional[int] = device.index  # None for "cuda" alone, which torch's stubs do not say
+    if device.type == "cuda" and index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
 

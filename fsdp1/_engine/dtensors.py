@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 if TYPE_CHECKING:
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
@@ -66,3 +67,10 @@ def _empty_like(local: torch.Tensor) -> torch.Tensor:
     """An empty plain tensor of ``local``'s dtype and device (``local`` may be a tensor subclass
     whose own operations do not make one)."""
     return torch.empty(0, dtype=local.dtype, device=local.device)
+
+
+def is_wrapper_subclass(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a tensor subclass that wraps other tensors (torch's ``TwoTensor``,
+    torchao's weights), DTensors aside. torch types its test as one no ``Tensor`` can pass, which
+    would make every branch on it unreachable to the type checker."""
+    return bool(is_traceable_wrapper_subclass(tensor)) and not isinstance(tensor, DTensor)

@@ -19,11 +19,10 @@ from enum import Enum, auto
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple, cast
 
 import torch
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import collectives as comm
 from .device import run_on_stream, wait_for_device
+from .dtensors import is_wrapper_subclass
 from .layout import ParamLayout, free_storage
 from .mixed_precision import HandlePrecision
 from .shard_math import gradient_divide_factors
@@ -35,7 +34,7 @@ def plain_gradient(grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     (a module computing on one, torch's ``TwoTensor``) writes itself into a plain tensor as its own
     ``copy_`` decides, as it does into torch's reduce-scatter input, so the reduction sees torch's
     values."""
-    if is_traceable_wrapper_subclass(grad) and not isinstance(grad, DTensor):
+    if is_wrapper_subclass(grad):
         plain = torch.empty(grad.shape, dtype=dtype, device=grad.device)
         plain.copy_(grad)
         return plain

@@ -176,8 +176,6 @@ class DTensorParamViews(OrigParamViews):
             made = (tensor, self.shardings[index].for_compute(tensor))
             self._made_for_compute[index] = made
         return made[1]
-        # what the modules hold now (a frozen parameter's view was detached on the way in)
-        self._installed = [cast(torch.Tensor, slot.module._parameters[slot.attr]) for slot in self.slots]
 
     def _extension(self, index: int) -> Optional[ExtensionGather]:
         """The gathers of parameter ``index`` if its local tensor defines an all-gather extension

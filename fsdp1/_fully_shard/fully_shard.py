@@ -19,11 +19,10 @@ import torch
 from torch import nn
 from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem, _get_registry
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .._engine import collectives as comm
 from .._engine.collectives import ProcessGroups
-from .._engine.dtensors import RowSharding
+from .._engine.dtensors import RowSharding, is_wrapper_subclass
 from .._engine.flat_grad import ReduceSettings
 from .._engine.flat_param import FlatParamHandle
 from .._engine.layout import RowShardLayout
@@ -267,7 +266,7 @@ def _move_to_mesh_device(module: nn.Module, ignored_ids: Set[int], device: torch
         for tensor in {id(t): t for t in params + buffers}.values():
             if tensor.device == device or tensor.device.type == "meta" or isinstance(tensor, DTensor):
                 continue
-            if is_traceable_wrapper_subclass(tensor):  # its inner tensors move with it: swap the whole object
+            if is_wrapper_subclass(tensor):  # its inner tensors move with it: swap the whole object
                 moved = tensor.to(device)
                 torch.utils.swap_tensors(tensor, nn.Parameter(moved, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else moved)
             else:
