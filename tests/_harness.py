@@ -10,6 +10,7 @@ starts a fresh pool, so no group is reused after a possible desynchronisation.
 import os
 import queue
 import socket
+import time
 import traceback
 from datetime import timedelta
 from multiprocessing.reduction import ForkingPickler  # torch.multiprocessing registers its tensor reductions
@@ -96,13 +97,22 @@ class RankPool:
         return [results[r] for r in range(self.world_size)]
 
     def close(self) -> None:
+        self.ask_to_stop()
+        self.end_by(time.monotonic() + 2)
+
+    def ask_to_stop(self) -> None:
         for task_queue in self._tasks:
             try:
                 task_queue.put(None)
             except (OSError, ValueError):
                 pass
+
+    def end_by(self, deadline: float) -> None:
+        """Let the workers leave their group until ``deadline`` (one for them all: a worker whose
+        peers left first may wait on them), then kill those still there."""
         for proc in self._procs:
-            proc.join(timeout=2)
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        for proc in self._procs:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
@@ -127,5 +137,10 @@ def run_on_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s:
 
 
 def close_pools() -> None:
-    while _pools:
-        _pools.popitem()[1].close()
+    pools = list(_pools.values())
+    _pools.clear()
+    for pool in pools:
+        pool.ask_to_stop()
+    deadline = time.monotonic() + 2
+    for pool in pools:
+        pool.end_by(deadline)
