@@ -1,6 +1,6 @@
 """``ParamViews``: what a unit's modules hold under their original parameter names, in each phase
 of the unit. Its kinds: ``OrigParamViews`` (``orig_views``: the original Parameters stay, viewing the
-shard), ``FlatParamViews`` (``flat_views``: the FlatParameter in their place) and the ``fully_shard``
+shard), ``FlatParamViews`` (the FSDP1 front's ``flat_views``: the FlatParameter in their place) and the ``fully_shard``
 front's ``DTensorParamViews``; the front that builds a unit chooses its kind.
 
 Every kind keeps the registrations (``ParamSlot``: a tied parameter has several, a module registered

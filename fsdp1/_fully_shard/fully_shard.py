@@ -25,7 +25,6 @@ from .._engine.collectives import ProcessGroups
 from .._engine.dtensors import RowSharding, is_wrapper_subclass
 from .._engine.flat_grad import ReduceSettings
 from .._engine.flat_param import FlatParamHandle
-from .._engine.layout import RowShardLayout
 from .._engine.mixed_precision import HandlePrecision
 from .._engine.schedule import UnitSchedule
 from .._engine.traversal import FSDP_STATE, ParamSlot, is_fsdp_unit, iter_outermost_units, iter_param_slots
@@ -45,6 +44,7 @@ from .module import FSDPModule, _fsdp_class
 from .param_sharding import DataParallelMesh, ParamSharding
 from .pipeline import StageReduction
 from .post_forward import PostForwardRows
+from .row_shard_layout import RowShardLayout
 
 
 def fully_shard(

@@ -14,9 +14,9 @@ from torch import nn
 
 from .._engine.common import TrainingState
 from .._engine.flat_param import RESTING
-from .._engine.layout import RowShardLayout
 from .._engine.unit_state import UnitState, state_of
 from .._engine.unshard import summon_full_params
+from .row_shard_layout import RowShardLayout
 
 
 class UnshardHandle:

@@ -8,7 +8,8 @@ from torch import nn
 
 from .._engine import collectives as comm
 from .._engine.dtensors import RowSharding
-from .._engine.layout import RowShardLayout, alloc_storage
+from .._engine.layout import alloc_storage
+from .row_shard_layout import RowShardLayout
 
 
 class PostForwardRows:

@@ -19,8 +19,6 @@ from .._engine.common import TrainingState
 from .._engine.device import materialization_device, resolve_compute_device
 from .._engine.flat_grad import CommHook
 from .._engine.flat_param import FlatParamHandle
-from .._engine.flat_views import FlatParamViews
-from .._engine.layout import FlatShardLayout
 from .._engine.mixed_precision import HandlePrecision
 from .._engine.orig_views import OrigParamViews
 from .._engine.runtime import RootState
@@ -51,6 +49,8 @@ from ..api import (
 from ..wrap import AutoWrapPolicy
 from . import clip_grad as _clip_grad
 from .comm_hooks import is_low_precision_hook
+from .flat_shard_layout import FlatShardLayout
+from .flat_views import FlatParamViews
 from .initial_values import MetaInit, check_param_init_fn, check_same_values, move_to_compute_device
 from .initial_values import sync_module_states as sync_states_from_first
 from .mixed_precision import checked_precision

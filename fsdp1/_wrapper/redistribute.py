@@ -13,8 +13,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from . import collectives as comm
-from .shard_math import dim0_chunk_range, overlap, shard_span
+from .._engine import collectives as comm
+from .._engine.shard_math import dim0_chunk_range, overlap, shard_span
 
 Range = Tuple[int, int]
 

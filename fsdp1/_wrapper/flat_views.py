@@ -9,10 +9,10 @@ from typing import List, Sequence, Tuple
 import torch
 from torch import nn
 
-from .layout import ParamLayout
+from .._engine.layout import ParamLayout
+from .._engine.traversal import ParamSlot
+from .._engine.views import FLAT_PARAM, ParamViews
 from .placeholder import ShardedParamPlaceholder
-from .traversal import ParamSlot
-from .views import FLAT_PARAM, ParamViews
 
 
 class FlatParamViews(ParamViews):
