@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 from fsdp1._engine import collectives as comm
-from fsdp1._engine.layout import FlatShardLayout, RowShardLayout
+from fsdp1._fully_shard.row_shard_layout import RowShardLayout
+from fsdp1._wrapper.flat_shard_layout import FlatShardLayout
 
 from _harness import run_on_ranks
 

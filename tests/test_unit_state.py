@@ -9,12 +9,12 @@ from torch import nn
 
 from fsdp1._engine.collectives import ProcessGroups
 from fsdp1._engine.flat_param import FlatParamHandle
-from fsdp1._engine.layout import FlatShardLayout
 from fsdp1._engine.mixed_precision import HandlePrecision
 from fsdp1._engine.orig_views import OrigParamViews
 from fsdp1._engine.schedule import UnitSchedule
 from fsdp1._engine.traversal import iter_param_slots
 from fsdp1._engine.unit_state import UnitState
+from fsdp1._wrapper.flat_shard_layout import FlatShardLayout
 
 from _harness import run_on_ranks
 from _models import batch, lm_loss, make_gpt, train, wrap_torch_fsdp

@@ -15,11 +15,14 @@ modules hold: a unit resting gathered computes on resting Parameters that stay r
 ``DTensorParamViews``), whose gradients join the unit's here.
 """
 
-from typing import Tuple
+import sys
+import warnings
+from typing import Any, Tuple
 
 from torch import nn
 
 from .._engine.unit_state import state_of, unit_states
+from .module import FSDPModule
 
 
 class StageReduction:
@@ -76,3 +79,42 @@ class StageReduction:
         """Reduce, reshard as the schedule now asks, and hand every unit's gradient to the optimizer."""
         self._root.root_state.finalize_backward()
 
+
+def watch_for_unrecognising_stage(module: nn.Module) -> None:
+    """Warn at ``module``'s first forward if a pipeline stage that does not recognise fsdp1's modules runs it."""
+    if _pipelining_would_not_recognise():
+        _UnrecognisedPipelineCheck(module)
+
+
+def _pipelining_would_not_recognise() -> bool:
+    """torch's pipeline stages are imported and bound torch's ``FSDPModule``, not fsdp1's."""
+    stage = sys.modules.get("torch.distributed.pipelining.stage")
+    return stage is not None and getattr(stage, "FSDPModule", FSDPModule) is not FSDPModule
+
+
+class _UnrecognisedPipelineCheck:
+    """A one-shot forward pre-hook: torch's pipeline stages recognise a stage module by the
+    ``FSDPModule`` they imported, and a stage that does not recognise fsdp1's runs it as a plain
+    module: gathered and reduced once per micro-batch, and under a schedule that splits backward with
+    no weight gradient at all. The first forward under such a stage says so. Registered only where
+    the stages are imported and would not recognise fsdp1's modules."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self._handle = module.register_forward_pre_hook(self)
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        self._handle.remove()
+        if not _pipelining_would_not_recognise():
+            return
+        stage_file = sys.modules["torch.distributed.pipelining.stage"].__file__
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code.co_filename != stage_file:
+            frame = frame.f_back  # type: ignore[assignment]  # None ends the walk
+        if frame is not None:
+            warnings.warn(
+                "fsdp1: a torch.distributed.pipelining stage runs this fully_shard module without recognising it: "
+                "it is gathered and reduced once per micro-batch, and a schedule that splits backward (zero-bubble, "
+                "DualPipeV) computes no weight gradient for it. Call fsdp1.use_as_torch_fsdp() before building the "
+                "pipeline stages.",
+                stacklevel=2,
+            )
