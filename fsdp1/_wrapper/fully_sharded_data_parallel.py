@@ -16,17 +16,12 @@ from torch.autograd.profiler import record_function
 
 from .._engine import collectives as comm
 from .._engine.common import TrainingState
-from .._engine.device import materialization_device, resolve_compute_device
 from .._engine.flat_grad import CommHook
 from .._engine.flat_param import FlatParamHandle
-from .._engine.mixed_precision import HandlePrecision
-from .._engine.orig_views import OrigParamViews
 from .._engine.runtime import RootState
 from .._engine.traversal import (
     FSDP_WRAPPED_MODULE,
-    ParamSlot,
     clean_fqn,
-    first_fully_shard_module,
     fsdp_units,
     unit_name,
     unit_paths,
@@ -49,23 +44,20 @@ from ..api import (
 from ..wrap import AutoWrapPolicy
 from . import clip_grad as _clip_grad
 from .comm_hooks import is_low_precision_hook
-from .flat_shard_layout import FlatShardLayout
-from .flat_views import FlatParamViews
-from .initial_values import MetaInit, check_param_init_fn, check_same_values, move_to_compute_device
-from .initial_values import sync_module_states as sync_states_from_first
+from .initial_values import check_param_init_fn, check_same_values
 from .mixed_precision import checked_precision
 from .optim_state_dict_api import OptimStateDictAPI, OptimStateKeyType
 from .process_groups import (
     HYBRID_STRATEGIES,
     SHARDED_STRATEGIES,
-    ProcessGroups,
     coerce_sharding_strategy,
     node_local_groups,
     resolve_process_groups,
     resolve_sharding_strategy,
     unit_schedule,
 )
-from .unit_plan import auto_wrap, resolve_ignored_states, unit_param_slots
+from .unit_handle import UnitHandleBuilder
+from .unit_plan import auto_wrap, refuse_fully_shard_modules, resolve_ignored_states
 
 __all__ = ["FullyShardedDataParallel", "OptimStateKeyType"]
 
@@ -104,13 +96,7 @@ class FullyShardedDataParallel(nn.Module, OptimStateDictAPI):
     ) -> None:
         super().__init__()
         # Check everything before touching the module.
-        sharded = first_fully_shard_module(module)
-        if sharded is not None:
-            raise ValueError(
-                f"fsdp1: cannot wrap a module that contains the fully_shard module '{sharded or type(module).__name__}' in "
-                "FullyShardedDataParallel: a model uses FullyShardedDataParallel or fully_shard, not both. Build the "
-                "model again and use one (fully_shard the root too, instead of wrapping it)."
-            )
+        refuse_fully_shard_modules(module)
         if mixed_precision is not None:
             mixed_precision = checked_precision(coerce_config(mixed_precision, MixedPrecision, "mixed_precision"))
         check_param_init_fn(param_init_fn)
@@ -133,24 +119,17 @@ class FullyShardedDataParallel(nn.Module, OptimStateDictAPI):
         # the parameters it must leave to an outer unit).
         if auto_wrap_policy is not None:
             child_kwargs = dict(
-                process_group=process_group,
-                sharding_strategy=sharding_strategy,
-                cpu_offload=cpu_offload,
-                mixed_precision=mixed_precision,
-                backward_prefetch=backward_prefetch,
-                device_id=device_id,
-                forward_prefetch=forward_prefetch,
-                limit_all_gathers=limit_all_gathers,
-                use_orig_params=use_orig_params,
-                param_init_fn=param_init_fn,
-                sync_module_states=sync_module_states,
-                ignored_states=self._ignored.params or None,
-                device_mesh=device_mesh,
+                process_group=process_group, sharding_strategy=sharding_strategy, cpu_offload=cpu_offload,
+                mixed_precision=mixed_precision, backward_prefetch=backward_prefetch, device_id=device_id,
+                forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers, use_orig_params=use_orig_params,
+                param_init_fn=param_init_fn, sync_module_states=sync_module_states,
+                ignored_states=self._ignored.params or None, device_mesh=device_mesh,
             )
             auto_wrap(module, auto_wrap_policy, child_kwargs, type(self), self._ignored)
 
-        handle, compute_device = self._flatten(module, groups, strategy, mixed_precision, use_orig_params, param_init_fn,
-                                               device_id, sync_module_states, _params_of_outer_units or ())
+        handle, compute_device = UnitHandleBuilder(module, self._ignored, param_init_fn, device_id).build(
+            groups, strategy in SHARDED_STRATEGIES and self.world_size > 1, mixed_precision, use_orig_params,
+            self.cpu_offload.offload_params, sync_module_states, _params_of_outer_units or ())
         self._fsdp_wrapped_module = module
 
         # Runtime state, owned by the unit's state; the root is decided lazily, at the first forward.
@@ -165,48 +144,6 @@ class FullyShardedDataParallel(nn.Module, OptimStateDictAPI):
         # setting (torch's rule), except on a one-rank group, where SHARDED / LOCAL still give DTensors
         # that load on any number of ranks (torch's gives full tensors there, pytorch#109666).
         _state_dict.register_hooks(self, saves_full_only=strategy is ShardingStrategy.NO_SHARD and self.world_size > 1)
-
-    def _flatten(self, module: nn.Module, groups: ProcessGroups, strategy: ShardingStrategy,
-                 mixed_precision: Optional[MixedPrecision], use_orig_params: bool,
-                 param_init_fn: Optional[Callable[[nn.Module], None]], device_id: Optional[Union[int, torch.device]],
-                 sync_module_states: bool, params_of_outer_units: Iterable[nn.Parameter]
-                 ) -> Tuple[Optional[FlatParamHandle], torch.device]:
-        """This unit materialises and synchronises what its children left, then flattens it on the
-        compute device (the handle, None without parameters, and that device). Meta parameters reset
-        by the default init get their storage in the flat buffer itself, so that their unit is never
-        held twice."""
-        meta_init = MetaInit(module, param_init_fn, materialization_device(device_id), self._ignored)
-        if meta_init.is_needed and not meta_init.is_in_place:
-            meta_init.run_param_init_fn()
-        slots = unit_param_slots(module, use_orig_params, self._ignored, params_of_outer_units)
-
-        def initialize(slots: Sequence[ParamSlot]) -> None:
-            if meta_init.is_in_place:
-                meta_init.reset_in_place()
-            if sync_module_states:
-                sync_states_from_first(module, slots, self._ignored, groups)
-
-        if meta_init.is_in_place:
-            compute_device = meta_init.device
-        else:
-            compute_device = resolve_compute_device(module, device_id, self._ignored.params)
-        if device_id is not None:
-            move_to_compute_device(module, compute_device, self._ignored)
-        if not meta_init.is_in_place:
-            initialize(slots)  # on the compute device: NCCL broadcasts no CPU tensor
-        if not slots:
-            if meta_init.is_in_place:
-                initialize(slots)
-            return None, compute_device
-        is_sharded = strategy in SHARDED_STRATEGIES and self.world_size > 1
-        views = OrigParamViews(slots, module) if use_orig_params else FlatParamViews(slots, module)
-        precision = HandlePrecision.of(mixed_precision, slots[0].live_param.dtype)
-        layout = FlatShardLayout(views.shapes, views.aligned_numel(precision.param_dtype), self.rank, self.world_size, is_sharded)
-        handle = FlatParamHandle(
-            views, layout, groups, precision, self.cpu_offload.offload_params,
-            materialize_in_place=initialize if meta_init.is_in_place else None, device=compute_device,
-        )
-        return handle, compute_device
 
     # ------------------------------------------------------------------------------ the unit's state
     # torch's attribute names, which clients and torch's own tests read; the ``UnitState`` owns them.

@@ -18,6 +18,7 @@ from .._engine.flat_param import FlatParameter, FlatParamHandle
 from .._engine.traversal import (
     ParamSlot,
     clean_fqn,
+    first_fully_shard_module,
     is_fsdp_unit,
     iter_outermost_units,
     iter_param_slots,
@@ -49,6 +50,17 @@ class IgnoredStates:
     def include(self, modules: Iterable[nn.Module] = (), params: Iterable[nn.Parameter] = ()) -> None:
         self.modules.update(modules)
         self._params.update((id(p), p) for p in params)
+
+
+def refuse_fully_shard_modules(module: nn.Module) -> None:
+    """A model is wrapped by FullyShardedDataParallel or sharded by fully_shard, not both."""
+    sharded = first_fully_shard_module(module)
+    if sharded is not None:
+        raise ValueError(
+            f"fsdp1: cannot wrap a module that contains the fully_shard module '{sharded or type(module).__name__}' in "
+            "FullyShardedDataParallel: a model uses FullyShardedDataParallel or fully_shard, not both. Build the "
+            "model again and use one (fully_shard the root too, instead of wrapping it)."
+        )
 
 
 def resolve_ignored_states(module: nn.Module, ignored_modules: Any, ignored_states: Any) -> IgnoredStates:
