@@ -6,7 +6,7 @@ example. Whole jobs under torchrun, since the race is in the interpreter's own e
 from _jobs import failed, run_job
 
 RUNS = 6
-"""Without the wait at exit (``_collectives.EXIT_GRACE_S``) a job like this one aborted in roughly a third
+"""Without the wait at exit (``group_health.EXIT_GRACE_S``) a job like this one aborted in roughly a third
 of its runs, so six clean runs in a row would happen about one time in ten."""
 
 
