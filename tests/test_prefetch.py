@@ -57,7 +57,7 @@ def _gathered_units(model):
     """Paths of the units whose parameters are unsharded or being gathered, root excluded."""
     return sorted(
         path for unit, path in model._root_state.unit_paths.items()
-        if path and unit.handle.state is not fsdp1._engine.flat_param.HandleState.SHARDED
+        if path and unit.handle.state is not fsdp1._engine.handle.HandleState.SHARDED
     )
 
 

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp1._engine.collectives import ProcessGroups
-from fsdp1._engine.flat_param import FlatParamHandle
+from fsdp1._engine.handle import FlatParamHandle
 from fsdp1._engine.mixed_precision import HandlePrecision
 from fsdp1._engine.orig_views import OrigParamViews
 from fsdp1._engine.schedule import UnitSchedule

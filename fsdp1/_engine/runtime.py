@@ -28,7 +28,7 @@ from torch.autograd.profiler import record_function
 from . import collectives as comm
 from .common import TrainingState
 from .flat_grad import GradReduction
-from .flat_param import FlatParamHandle
+from .handle import FlatParamHandle
 from .mixed_precision import BufferPrecision, UnitBuffers
 from .traversal import unit_paths
 

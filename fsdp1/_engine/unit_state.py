@@ -23,8 +23,8 @@ from ..api import MixedPrecision
 from . import collectives as comm
 from .common import TrainingState
 from .device import move_to_device
-from .flat_param import RESTING, FlatParamHandle
 from .group_forward import GroupForward
+from .handle import RESTING, FlatParamHandle
 from .mixed_precision import cast_floating_tensors
 from .runtime import RootState, WeakPartial, current_graph_task, eager_hook, eager_only, inside_backward
 from .schedule import UnitSchedule

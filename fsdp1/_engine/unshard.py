@@ -1,17 +1,19 @@
 """``summon_full_params``: every original parameter unsharded, outside forward and backward.
 
-The handles do the work (``FlatParamHandle.full_params``); this module decides which units take
-part, refuses what cannot work (inside forward or backward, nested), and keeps every unit's
-training state truthful while they are gathered.
+This module decides which units take part, refuses what cannot work (inside forward or backward,
+nested), keeps every unit's training state truthful while they are gathered, and shows each unit's
+full values through its handle's gather (``FlatParamHandle.gathered_views``).
 """
 
 import contextlib
-from typing import Iterator, List
+from typing import Iterator, List, Optional
 
+import torch
 from torch import nn
 
 from . import collectives as comm
 from .common import TrainingState
+from .handle import FlatParamHandle
 from .traversal import is_fsdp_unit, unit_name, unit_paths
 from .unit_state import UnitState, adopt_replaced_flat_params, state_of, unit_states
 
@@ -55,7 +57,7 @@ def summon_full_params(
             unit.training_state = TrainingState.SUMMON_FULL_PARAMS
             stack.callback(setattr, unit, "training_state", TrainingState.IDLE)
             if unit.handle is not None:
-                stack.enter_context(unit.handle.full_params(writeback, expose, offload_to_cpu, with_grads))
+                stack.enter_context(_full_params(unit.handle, writeback, expose, offload_to_cpu, with_grads))
         yield
 
 
@@ -75,3 +77,69 @@ def _check_idle(module: nn.Module, units: List[UnitState]) -> None:
             f"fsdp1: Cannot manually unshard parameters during forward/backward: summon_full_params() "
             f"cannot gather {where} now; call it between training steps (after backward() has returned)."
         )
+
+
+@contextlib.contextmanager
+def _full_params(handle: FlatParamHandle, writeback: bool, expose: bool, offload_to_cpu: bool,
+                 with_grads: bool) -> Iterator[None]:
+    """Within, the unit's module holds every original parameter unsharded as an ``nn.Parameter`` (the
+    originals themselves with use_orig_params), outside autograd; on exit with ``writeback`` this
+    rank keeps its shard of what they hold then, including data the caller replaced, also when the
+    body raised (as torch's).
+
+    Collective on every rank; a rank with ``expose=False`` (not rank 0 under ``rank0_only``) frees
+    what it gathered at once and its module stays as it was. ``offload_to_cpu`` shows CPU copies (the
+    device buffer is freed meanwhile); ``with_grads`` sets each one's ``.grad`` to the full averaged
+    gradient (None where no rank has one).
+    """
+    with handle.gathered_views() as views:
+        grads = _gathered_grads(handle) if with_grads else None
+        if not expose:
+            handle.reshard()
+            yield
+            return
+        if offload_to_cpu and views[0].device.type != "cpu":
+            views = [view.cpu() for view in views]
+            grads = None if grads is None else [grad.cpu() for grad in grads]
+            handle.reshard()
+        exposed = handle.views.expose_full(handle.flat_param, views)
+        if grads is not None:
+            for param, grad, requires_grad in zip(exposed, grads, handle.views.requires_grad):
+                param.grad = grad if requires_grad else None
+        try:
+            yield
+        finally:  # written back even when the body raised, as torch's
+            try:
+                if writeback:
+                    registered = handle.views.registered_full_params(exposed)
+                    _check_full_shapes(handle, views, registered)
+                    handle.views.adopt_replaced(exposed, registered)
+                    handle.conversions.load_full_params(registered)
+            finally:
+                handle.reshard()
+                handle.views.hide_full(handle.flat_param, handle.local_shard, handle.layout)
+                if grads is not None:  # the originals showed full gradients: back to views of the sharded one
+                    handle.grad.reshow()
+
+
+def _gathered_grads(handle: FlatParamHandle) -> Optional[List[torch.Tensor]]:
+    """The full averaged gradient of every parameter (collective), or None when no rank holds a
+    gradient for this unit."""
+    shard = handle.grad.shard_sized()
+    if shard is None:
+        return None
+    if not handle.is_sharded:
+        return handle.layout.unflatten(shard)
+    full = shard.new_empty(handle.layout.unsharded_numel)
+    handle.layout.all_gather(full, shard, handle.group, handle.path).wait()
+    return handle.layout.unflatten(full)
+
+
+def _check_full_shapes(handle: FlatParamHandle, views: List[torch.Tensor], exposed: List[nn.Parameter]) -> None:
+    for slot, view, param in zip(handle.views.slots, views, exposed):
+        if param.shape != view.shape:
+            raise RuntimeError(
+                f"fsdp1: Cannot writeback when the parameter shape changes: '{handle.views.clean_fqn(slot)}' changed from "
+                f"{tuple(view.shape)} to {tuple(param.shape)} inside summon_full_params; FSDP can only write "
+                "back values of the same shape. Change values in place (e.g. param.copy_(...)) instead."
+            )

@@ -22,7 +22,7 @@ from .._engine import collectives as comm
 from .._engine.collectives import ProcessGroups
 from .._engine.dtensors import RowSharding, is_wrapper_subclass
 from .._engine.flat_grad import ReduceSettings
-from .._engine.flat_param import FlatParamHandle
+from .._engine.handle import FlatParamHandle
 from .._engine.mixed_precision import HandlePrecision
 from .._engine.schedule import UnitSchedule
 from .._engine.traversal import ParamSlot, is_fsdp_unit, iter_outermost_units, iter_param_slots

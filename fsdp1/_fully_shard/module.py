@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .._engine.common import TrainingState
-from .._engine.flat_param import RESTING
+from .._engine.handle import RESTING
 from .._engine.unit_state import UnitState, state_of
 from .._engine.unshard import summon_full_params
 from .row_shard_layout import RowShardLayout

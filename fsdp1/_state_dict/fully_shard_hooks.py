@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from .._engine.common import TrainingState
 from .._engine.dtensors import viewing
-from .._engine.flat_param import FlatParamHandle
+from .._engine.handle import FlatParamHandle
 from .._engine.layout import ParamLayout
 from .._engine.traversal import is_fsdp_unit, iter_param_slots
 from .._engine.unit_state import state_of

@@ -26,7 +26,8 @@ from torch.nn.modules.batchnorm import _NormBase
 from .._engine import collectives as comm
 from .._engine.common import TrainingState
 from .._engine.dtensors import RowSharding
-from .._engine.flat_param import FlatParameter, FlatParamHandle
+from .._engine.flat_parameter import FlatParameter
+from .._engine.handle import FlatParamHandle
 from .._engine.traversal import FSDP_PREFIX, FSDP_WRAPPED_MODULE, clean_fqn, fsdp_units, is_fsdp_unit
 from .._engine.unit_state import adopt_replaced_flat_params, state_of
 from .._engine.views import FLAT_PARAM, FLATTENED

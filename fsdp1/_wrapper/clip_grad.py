@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .._engine import collectives as comm
-from .._engine.flat_param import FlatParamHandle
+from .._engine.handle import FlatParamHandle
 from .._engine.unit_state import state_of
 
 

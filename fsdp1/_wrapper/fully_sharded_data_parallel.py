@@ -17,7 +17,7 @@ from torch.autograd.profiler import record_function
 from .._engine import collectives as comm
 from .._engine.common import TrainingState
 from .._engine.flat_grad import CommHook
-from .._engine.flat_param import FlatParamHandle
+from .._engine.handle import FlatParamHandle
 from .._engine.runtime import RootState
 from .._engine.traversal import (
     FSDP_WRAPPED_MODULE,

@@ -9,7 +9,7 @@ from torch import nn
 from .._engine import collectives as comm
 from .._engine.collectives import ProcessGroups
 from .._engine.device import materialization_device, resolve_compute_device
-from .._engine.flat_param import FlatParamHandle
+from .._engine.handle import FlatParamHandle
 from .._engine.mixed_precision import HandlePrecision
 from .._engine.orig_views import OrigParamViews
 from .._engine.traversal import ParamSlot

@@ -14,7 +14,8 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, ca
 
 from torch import nn
 
-from .._engine.flat_param import FlatParameter, FlatParamHandle
+from .._engine.flat_parameter import FlatParameter
+from .._engine.handle import FlatParamHandle
 from .._engine.traversal import (
     ParamSlot,
     clean_fqn,

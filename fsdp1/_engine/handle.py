@@ -1,4 +1,4 @@
-"""FlatParameter and FlatParamHandle: one unit's parameters as one sharded 1-D tensor.
+"""FlatParamHandle: one unit's parameters as one sharded 1-D tensor (a ``FlatParameter``).
 
 The handle owns the flat parameter's storage and decides when the unit is sharded or unsharded; it
 composes the parts that say what each of those means: the layout (``layout``: where each parameter
@@ -28,44 +28,12 @@ from torch import nn
 from . import collectives as comm
 from .collectives import ProcessGroups
 from .flat_grad import FlatGrad, ReduceSettings, to_host
+from .flat_parameter import FlatParameter
 from .layout import ParamLayout, alloc_storage, free_storage
 from .mixed_precision import HandlePrecision
 from .shard_conversions import ShardConversions
 from .traversal import ParamSlot
-from .views import FLAT_PARAM, FLATTENED, ParamViews, assign_grad
-
-
-class _FlatParameterMeta(type(nn.Parameter)):  # type: ignore[misc]  # a metaclass derived from a dynamic type
-    def __instancecheck__(cls, instance: object) -> bool:
-        return isinstance(instance, torch.Tensor) and getattr(instance, "_is_flat_param", False)
-
-
-class FlatParameter(nn.Parameter, metaclass=_FlatParameterMeta):
-    """A unit's flattened parameters; ``FlatParameter(data)`` returns a plain ``nn.Parameter``.
-
-    Being an exact ``nn.Parameter`` keeps optimizers on their fast foreach path (they choose it by
-    exact type); ``isinstance(p, FlatParameter)`` still works through the marker below. These are the
-    only attributes fsdp1 sets on a tensor, once, at construction.
-    """
-
-    _is_flat_param: bool
-    _fqns: Tuple[str, ...]
-    _shapes: Tuple[torch.Size, ...]
-    _numels: Tuple[int, ...]
-    _unpadded_unsharded_size: torch.Size
-    _padded_unsharded_size: torch.Size
-    _sharded_size: torch.Size
-    _shard_numel_padded: int
-
-    def __new__(cls, data: torch.Tensor, requires_grad: bool = True) -> nn.Parameter:  # type: ignore[misc]  # returns the base type on purpose
-        return FlatParameter.mark(nn.Parameter(data, requires_grad=requires_grad))
-
-    @staticmethod
-    def mark(param: nn.Parameter) -> nn.Parameter:
-        """``param`` becomes a FlatParameter (also one ``nn.Module._apply`` made in a conversion)."""
-        param._is_flat_param = True  # type: ignore[attr-defined]  # the marker __instancecheck__ reads
-        setattr(param, FLATTENED, True)  # torch's marker of a flattened parameter, which Lightning reads
-        return param
+from .views import FLAT_PARAM, ParamViews, assign_grad
 
 
 class HandleState(Enum):
@@ -476,75 +444,6 @@ class FlatParamHandle:
             yield self.layout.unflatten(self._unsharded_buffer.detach())
         finally:
             self.reshard()
-
-    @contextlib.contextmanager
-    def full_params(self, writeback: bool, expose: bool = True, offload_to_cpu: bool = False,
-                    with_grads: bool = False) -> Iterator[None]:
-        """Within, the module holds every original parameter unsharded as an ``nn.Parameter`` (the
-        originals themselves with use_orig_params), outside autograd; on exit with ``writeback`` this
-        rank keeps its shard of what they hold then, including data the caller replaced, also when
-        the body raised (as torch's).
-
-        Collective on every rank; a rank with ``expose=False`` (not rank 0 under ``rank0_only``)
-        frees what it gathered at once and its module stays as it was. ``offload_to_cpu`` shows CPU
-        copies (the device buffer is freed meanwhile); ``with_grads`` sets each one's ``.grad`` to
-        the full averaged gradient (None where no rank has one).
-        """
-        self.reshard()
-        self.unshard(full_precision=True)
-        self.wait_unshard()
-        try:
-            views = self.layout.unflatten(self._unsharded_buffer.detach())
-            grads = self._gathered_grads() if with_grads else None
-            if not expose:
-                self.reshard()
-                yield
-                return
-            if offload_to_cpu and views[0].device.type != "cpu":
-                views = [view.cpu() for view in views]
-                grads = None if grads is None else [grad.cpu() for grad in grads]
-                self.reshard()
-            exposed = self.views.expose_full(self.flat_param, views)
-            if grads is not None:
-                for param, grad, requires_grad in zip(exposed, grads, self.views.requires_grad):
-                    param.grad = grad if requires_grad else None
-            try:
-                yield
-            finally:  # written back even when the body raised, as torch's
-                try:
-                    if writeback:
-                        registered = self.views.registered_full_params(exposed)
-                        self._check_full_shapes(views, registered)
-                        self.views.adopt_replaced(exposed, registered)
-                        self.conversions.load_full_params(registered)
-                finally:
-                    self.reshard()
-                    self.views.hide_full(self.flat_param, self._local_shard, self.layout)
-                    if grads is not None:  # the originals showed full gradients: back to views of the sharded one
-                        self.grad.reshow()
-        finally:
-            self.reshard()
-
-    def _gathered_grads(self) -> Optional[List[torch.Tensor]]:
-        """The full averaged gradient of every parameter (collective), or None when no rank holds a
-        gradient for this unit."""
-        shard = self.grad.shard_sized()
-        if shard is None:
-            return None
-        if not self.is_sharded:
-            return self.layout.unflatten(shard)
-        full = shard.new_empty(self.layout.unsharded_numel)
-        self.layout.all_gather(full, shard, self.group, self.path).wait()
-        return self.layout.unflatten(full)
-
-    def _check_full_shapes(self, views: List[torch.Tensor], exposed: List[nn.Parameter]) -> None:
-        for slot, view, param in zip(self.views.slots, views, exposed):
-            if param.shape != view.shape:
-                raise RuntimeError(
-                    f"fsdp1: Cannot writeback when the parameter shape changes: '{self.views.clean_fqn(slot)}' changed from "
-                    f"{tuple(view.shape)} to {tuple(param.shape)} inside summon_full_params; FSDP can only write "
-                    "back values of the same shape. Change values in place (e.g. param.copy_(...)) instead."
-                )
 
     def adopt_replaced_flat_param(self) -> None:
         """A client replaced ``flat_param.data`` between steps (HF Accelerate upcasts the flat
