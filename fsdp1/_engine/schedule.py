@@ -6,7 +6,7 @@ sharding strategy and the prefetch arguments, ``fully_shard`` from ``reshard_aft
 from typing import Generic, List, Optional, Sequence
 
 from ..api import BackwardPrefetch
-from .runtime import ExecutionOrder, U
+from .root_state import ExecutionOrder, U
 
 
 class UnitSchedule(Generic[U]):

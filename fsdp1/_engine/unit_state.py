@@ -13,7 +13,8 @@ The hooks run eagerly under ``torch.compile``: dynamo breaks the graph at each o
 the module bodies between (``eager_only``).
 """
 
-from typing import Any, Callable, Collection, Dict, List, Optional, Sequence, Tuple
+import contextlib
+from typing import Any, Callable, Collection, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -25,8 +26,9 @@ from .common import TrainingState
 from .device import move_to_device
 from .group_forward import GroupForward
 from .handle import RESTING, FlatParamHandle
+from .hooks import WeakPartial, current_graph_task, eager_hook, eager_only, inside_backward
 from .mixed_precision import cast_floating_tensors
-from .runtime import RootState, WeakPartial, current_graph_task, eager_hook, eager_only, inside_backward
+from .root_state import RootState
 from .schedule import UnitSchedule
 from .traversal import FSDP_STATE, fsdp_units, iter_tensors, iter_unit_submodules
 from .views import FLAT_PARAM
@@ -245,7 +247,7 @@ class UnitState:
                 )
             state = self.root_state
             if self.is_root:
-                self._start_iteration(state)
+                state.start_iteration()
                 if self.compute_device.type != "cpu":
                     args, kwargs = move_to_device((args, kwargs), self.compute_device)
                 state.buffers.use(full_precision=self.computes_in_full_precision)
@@ -263,40 +265,6 @@ class UnitState:
                     self.forwards_awaiting_gradient += 1
                     gradient_node.register_prehook(WeakPartial(_before_unsharded_gradient, state, self))
             return args, kwargs
-
-    @staticmethod
-    def _start_iteration(state: "RootState[UnitState]") -> None:
-        """The root's forward: recover from an aborted iteration, then bring every unit up to date. A
-        unit still gathered by a forward whose backward never came (an eval forward, which fully_shard
-        units do not reshard after) may hold values an optimizer step has since changed: gather it
-        afresh, unless the shard provably did not change since it was gathered (a pipeline
-        schedule's forwards before its first backward). Between the backwards of one accumulation
-        (``no_sync``) a unit kept gathered keeps its parameters on purpose, and no step comes between. A flat parameter a client replaced
-        (Accelerate's upcast) becomes the shard."""
-        comm.health_of(state.process_group).raise_if_broken()
-        if not state.is_clean() and not inside_backward():
-            state.recover()
-        if state.is_unchecked_after_abort and not inside_backward():
-            state.check_after_abort()
-        state.order.start_forward()
-        for member in state.units:
-            handle = member.handle
-            if handle is None:
-                continue
-            member.materialize_replaced()
-            handle.write_back_orig_params()  # first: resharding puts the originals back in the module
-            on_meta = handle.views.still_on_meta()
-            if on_meta and comm.communicates(member.process_group):  # the memory estimator's dry run is on meta
-                raise RuntimeError(  # torch's phrase
-                    "FSDP parameters should be materialized from meta device before training, but the following were "
-                    f"still on meta device: {on_meta}\nFor example, call module.to_empty(device) to materialize to "
-                    "device and call module.reset_parameters() on each module to initialize values."
-                )
-            keeps_for_accumulation = not member.sync_gradients and handle.grad.is_unreduced
-            if not keeps_for_accumulation and not handle.holds_current_gathered_copy:
-                handle.reshard()
-            handle.adopt_replaced_flat_param()
-            handle.grad.take_user_changes()
 
     def cast_inputs(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
         """Floating-point inputs in param_dtype: the root's by default (``cast_root_forward_inputs``),
@@ -495,6 +463,20 @@ def _prefetch_for_backward(unit: UnitState) -> None:
 def unit_states(module: nn.Module) -> List[UnitState]:
     """The state of every unit in ``module``'s tree, in ``module.modules()`` order."""
     return [state_of(unit) for unit in fsdp_units(module)]
+
+
+@contextlib.contextmanager
+def gradients_unsynchronised(units: Sequence[UnitState]) -> Iterator[None]:
+    """``no_sync`` of both fronts: within, every one of ``units`` keeps its gradient unreduced and
+    accumulating; on exit each syncs as it did before."""
+    previous = [unit.sync_gradients for unit in units]
+    for unit in units:
+        unit.sync_gradients = False
+    try:
+        yield
+    finally:
+        for unit, sync in zip(units, previous):
+            unit.sync_gradients = sync
 
 
 def adopt_replaced_flat_params(module: nn.Module) -> None:

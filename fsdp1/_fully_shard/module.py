@@ -14,7 +14,7 @@ from torch import nn
 
 from .._engine.common import TrainingState
 from .._engine.handle import RESTING
-from .._engine.unit_state import UnitState, state_of
+from .._engine.unit_state import UnitState, gradients_unsynchronised, state_of
 from .._engine.unshard import summon_full_params
 from .row_shard_layout import RowShardLayout
 
@@ -88,14 +88,8 @@ class FSDPModule(nn.Module):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """``set_requires_gradient_sync(False)`` for the duration, as FSDP1's and DDP's ``no_sync``."""
-        states = _states(self, recurse=True)
-        previous = [state.sync_gradients for state in states]
-        self.set_requires_gradient_sync(False)
-        try:
+        with gradients_unsynchronised(_states(self, recurse=True)):
             yield
-        finally:
-            for state, sync in zip(states, previous):
-                state.sync_gradients = sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: False reduce-scatters but leaves the all-reduce over the replicas to a later backward,

@@ -18,7 +18,7 @@ from .._engine import collectives as comm
 from .._engine.common import TrainingState
 from .._engine.flat_grad import CommHook
 from .._engine.handle import FlatParamHandle
-from .._engine.runtime import RootState
+from .._engine.root_state import RootState
 from .._engine.traversal import (
     FSDP_WRAPPED_MODULE,
     clean_fqn,
@@ -26,7 +26,7 @@ from .._engine.traversal import (
     unit_name,
     unit_paths,
 )
-from .._engine.unit_state import UnitState, state_of
+from .._engine.unit_state import UnitState, gradients_unsynchronised, state_of
 from .._engine.unshard import summon_full_params
 from .._state_dict import state_dict as _state_dict
 from .._state_dict.settings import state_dicts_of
@@ -404,12 +404,5 @@ class FullyShardedDataParallel(nn.Module, OptimStateDictAPI):
                 f"fsdp1: no_sync() was called on the inner FSDP unit '{state.path}'; it is only supported on "
                 "the root unit. Call it on the model you run forward on: `with model.no_sync(): ...`."
             )
-        units = state.root_state.units
-        previous = [unit.sync_gradients for unit in units]
-        for unit in units:
-            unit.sync_gradients = False
-        try:
+        with gradients_unsynchronised(state.root_state.units):
             yield
-        finally:
-            for unit, sync in zip(units, previous):
-                unit.sync_gradients = sync

@@ -1,6 +1,6 @@
-"""What a root's units share at run time: the execution order, the reductions in flight, the final
-callback of a backward and the recovery after an aborted one (``RootState``), plus the small
-helpers the hooks run under (``eager_only``, ``WeakPartial``).
+"""What a root's units share at run time (``RootState``): the start of an iteration, the execution
+order, the reductions in flight, the final callback of a backward and the recovery after an aborted
+one.
 
 One ``RootState`` per root is shared by every unit below it. Per iteration each unit goes
 IDLE -> FORWARD_BACKWARD (pre-forward) -> IDLE (post-forward) -> FORWARD_BACKWARD (first output
@@ -16,8 +16,6 @@ forward (with ``forward_prefetch``) repeats the first iteration's order.
 """
 
 import functools
-import sys
-import weakref
 from collections import deque
 from typing import Any, Callable, Deque, Dict, Generic, List, Optional, Protocol, TypeVar
 
@@ -29,10 +27,9 @@ from . import collectives as comm
 from .common import TrainingState
 from .flat_grad import GradReduction
 from .handle import FlatParamHandle
+from .hooks import inside_backward
 from .mixed_precision import BufferPrecision, UnitBuffers
 from .traversal import unit_paths
-
-_Fn = TypeVar("_Fn", bound=Callable[..., Any])
 
 
 class Unit(UnitBuffers, Protocol):
@@ -46,6 +43,8 @@ class Unit(UnitBuffers, Protocol):
 
     sync_gradients: bool
 
+    def materialize_replaced(self) -> None: ...
+
     def take_resting_grads(self, reduce_now: bool) -> None: ...
 
     def reduce_and_reshard(self) -> None: ...
@@ -56,62 +55,6 @@ class Unit(UnitBuffers, Protocol):
 
 
 U = TypeVar("U", bound=Unit)
-
-
-def eager_only(fn: _Fn) -> _Fn:
-    """Run ``fn`` outside any ``torch.compile`` graph: dynamo breaks the graph at the call and runs it
-    eagerly (its collectives, storage resizes and hook registrations cannot be traced). Dynamo is
-    only asked once it is loaded, so eager use never pays its import (about 2 s here)."""
-    disabled: List[Callable[..., Any]] = []
-
-    @functools.wraps(fn)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        if "torch._dynamo" not in sys.modules:
-            return fn(*args, **kwargs)
-        if not disabled:
-            disabled.append(torch._dynamo.disable(fn, recursive=True))
-        return disabled[0](*args, **kwargs)
-
-    return call  # type: ignore[return-value]  # same signature as fn
-
-
-def eager_hook(hook: _Fn) -> _Fn:
-    """``hook`` (an ``eager_only`` bound method) as a module hook: where dynamo is loaded already (a
-    block compiled before it is sharded, as torchtitan orders them), marked for dynamo itself, which
-    then runs it outside a ``fullgraph`` compile of the module; dynamo cannot see through the lazy
-    wrapper there, and refuses the whole graph."""
-    if "torch._dynamo" not in sys.modules:
-        return hook
-    return torch._dynamo.disable(hook, recursive=True)
-
-
-class WeakPartial:
-    """``partial(fn, *objects)`` that holds the objects weakly, for hooks kept by a tensor or an
-    autograd node: the garbage collector cannot see through those, so a hook holding its unit would
-    close an uncollectable cycle (unit -> flat parameter or its views -> hook -> unit) and a deleted
-    model would never be freed. Once an object is gone the call does nothing."""
-
-    def __init__(self, fn: Callable[..., Any], *objects: Any) -> None:
-        self._fn = fn
-        self._refs = tuple(weakref.ref(obj) for obj in objects)
-
-    def __call__(self, *args: Any) -> Any:
-        objects = [ref() for ref in self._refs]
-        if any(obj is None for obj in objects):
-            return None
-        return self._fn(*objects, *args)
-
-
-def current_graph_task() -> int:
-    """The autograd graph task running now (-1 outside backward); a reentrant checkpoint's
-    recomputation runs its backward as a nested task."""
-    return torch._C._current_graph_task_id()
-
-
-def inside_backward() -> bool:
-    """A root forward inside a backward is a recomputation (activation checkpointing around the
-    root), not a new iteration."""
-    return current_graph_task() != -1
 
 
 class ExecutionOrder(Generic[U]):
@@ -206,6 +149,39 @@ class RootState(Generic[U]):
         self.order: ExecutionOrder[U] = ExecutionOrder()
         self.buffers = BufferPrecision(self.units)
         self._reductions: Deque[GradReduction] = deque()
+
+    def start_iteration(self) -> None:
+        """The root's forward: recover from an aborted iteration, then bring every unit up to date. A
+        unit still gathered by a forward whose backward never came (an eval forward, which fully_shard
+        units do not reshard after) may hold values an optimizer step has since changed: gather it
+        afresh, unless the shard provably did not change since it was gathered (a pipeline
+        schedule's forwards before its first backward). Between the backwards of one accumulation
+        (``no_sync``) a unit kept gathered keeps its parameters on purpose, and no step comes
+        between. A flat parameter a client replaced (Accelerate's upcast) becomes the shard."""
+        comm.health_of(self.process_group).raise_if_broken()
+        if not self.is_clean() and not inside_backward():
+            self.recover()
+        if self.is_unchecked_after_abort and not inside_backward():
+            self.check_after_abort()
+        self.order.start_forward()
+        for member in self.units:
+            handle = member.handle
+            if handle is None:
+                continue
+            member.materialize_replaced()
+            handle.write_back_orig_params()  # first: resharding puts the originals back in the module
+            on_meta = handle.views.still_on_meta()
+            if on_meta and comm.communicates(member.process_group):  # the memory estimator's dry run is on meta
+                raise RuntimeError(  # torch's phrase
+                    "FSDP parameters should be materialized from meta device before training, but the following were "
+                    f"still on meta device: {on_meta}\nFor example, call module.to_empty(device) to materialize to "
+                    "device and call module.reset_parameters() on each module to initialize values."
+                )
+            keeps_for_accumulation = not member.sync_gradients and handle.grad.is_unreduced
+            if not keeps_for_accumulation and not handle.holds_current_gathered_copy:
+                handle.reshard()
+            handle.adopt_replaced_flat_param()
+            handle.grad.take_user_changes()
 
     def queue_final_callback(self) -> None:
         if not self.is_final_callback_queued:
