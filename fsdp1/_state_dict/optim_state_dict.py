@@ -20,14 +20,16 @@ from torch.distributed.tensor import DTensor
 
 from .._engine import collectives as comm
 from .._engine.layout import piece_in_shard
+from .._engine.traversal import fsdp_units
 from .._engine.unit_state import state_of
 from ..api import FullOptimStateDictConfig, StateDictType
 from .optim_params import OptimizerParams, State, UnitEntry, params_in, params_of
-from .state_dict import _all_units, _dim0_chunk, _effective_type, get_state_dict_type, rows_as_dtensors, state_dict_type
+from .settings import state_dicts_of
+from .state_dict import dim0_chunk, get_state_dict_type, rows_as_dtensors, state_dict_type
 
 
 def _check_every_rank_calls(model: nn.Module, api: str) -> None:
-    units = _all_units(model)
+    units = fsdp_units(model)
     if units:
         comm.check_every_rank_calls(state_of(units[0]).process_group, api)
 
@@ -66,7 +68,7 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_state
 def _unit_state_out(entry: UnitEntry, saved: Dict[int, State], sharded: bool, offload: bool, keep: bool,
                     out: Dict[str, State]) -> None:
     handle = entry.handle
-    sharded = sharded and _effective_type(entry.unit) is StateDictType.SHARDED_STATE_DICT  # NO_SHARD: full, as its parameters
+    sharded = sharded and state_dicts_of(entry.unit).effective_type is StateDictType.SHARDED_STATE_DICT  # NO_SHARD: full, as its parameters
     tensors, scalars, stateful = _agreed_state(entry, saved)
     for name, dtype in tensors.items():
         flat = _shard_laid_out(entry, saved, name, dtype)
@@ -284,7 +286,7 @@ def _unit_state_in(entry: UnitEntry, by_name: Dict[str, State], mode: str, out: 
         present = present if comm.global_rank() == 0 else described
     elif problem := _shape_problem(entry, present):
         raise ValueError(problem)
-    if mode == "sharded" and _effective_type(entry.unit) is StateDictType.FULL_STATE_DICT:
+    if mode == "sharded" and state_dicts_of(entry.unit).effective_type is StateDictType.FULL_STATE_DICT:
         mode = "full"  # a NO_SHARD unit saved full tensors, as its parameters
     names = sorted({n for s in present for n, v in s.items() if _is_tensor_state(v) or isinstance(v, _TensorState)})
     shapes = [p.shape for p in handle.views.orig_params()] if handle.use_orig_params else []
@@ -300,7 +302,7 @@ def _unit_state_in(entry: UnitEntry, by_name: Dict[str, State], mode: str, out: 
         values = [s.get(name) for s in present]
         template = like.new_empty(0, dtype=next(v for v in values if v is not None).dtype)
         if mode == "sharded":
-            rows = [None if v is None else _dim0_chunk(entry.unit, handle, i, v) for i, v in enumerate(values)]
+            rows = [None if v is None else dim0_chunk(entry.unit, handle, i, v) for i, v in enumerate(values)]
             flats[name] = handle.conversions.shard_of_rows(rows, template)
         elif mode == "full":
             flats[name] = handle.conversions.shard_of_full_values(values, template)

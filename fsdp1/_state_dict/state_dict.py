@@ -16,21 +16,19 @@ rest on under the wrapped names; its post-hook reports missing and unexpected ke
 """
 
 import contextlib
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
-from torch.nn.modules.batchnorm import _NormBase
 
 from .._engine import collectives as comm
 from .._engine.common import TrainingState
 from .._engine.dtensors import RowSharding
-from .._engine.flat_parameter import FlatParameter
 from .._engine.handle import FlatParamHandle
-from .._engine.traversal import FSDP_PREFIX, FSDP_WRAPPED_MODULE, clean_fqn, fsdp_units, is_fsdp_unit
+from .._engine.traversal import FSDP_PREFIX, FSDP_WRAPPED_MODULE, clean_fqn, fsdp_units
 from .._engine.unit_state import adopt_replaced_flat_params, state_of
-from .._engine.views import FLAT_PARAM, FLATTENED
+from .._engine.views import FLAT_PARAM
 from ..api import (
     STATE_DICT_CONFIG_TYPES,
     FullStateDictConfig,
@@ -39,6 +37,7 @@ from ..api import (
     coerce_config,
     coerce_enum,
 )
+from .load_checks import agree_on, check_subtree
 from .settings import STATE_DICT_STATE, UnitStateDicts, state_dicts_of
 
 _NAME_ONLY = torch.empty(0)
@@ -79,12 +78,12 @@ def set_state_dict_type(
 def get_state_dict_type(module: nn.Module) -> StateDictSettings:
     """The settings every unit in ``module`` shares; an error names two units that disagree."""
     units = _units_of(module, "get_state_dict_type")
-    first = _settings_of(units[0])
+    first = state_dicts_of(units[0]).settings
     for unit in units[1:]:
-        if _settings_of(unit) != first:
+        if state_dicts_of(unit).settings != first:
             raise RuntimeError(
                 f"fsdp1: the units of this model have different state-dict settings ({first} and "
-                f"{_settings_of(unit)}); set them together with FullyShardedDataParallel.set_state_dict_type(model, ...)."
+                f"{state_dicts_of(unit).settings}); set them together with FullyShardedDataParallel.set_state_dict_type(model, ...)."
             )
     return first
 
@@ -94,7 +93,7 @@ def state_dict_type(
     module: nn.Module, state_dict_type: Any, state_dict_config: Any = None, optim_state_dict_config: Any = None
 ) -> Iterator[None]:
     """``set_state_dict_type`` for the duration of the block; the previous settings come back after."""
-    previous = {unit: _settings_of(unit) for unit in _units_of(module, "state_dict_type")}
+    previous = {unit: state_dicts_of(unit).settings for unit in _units_of(module, "state_dict_type")}
     set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
     try:
         yield
@@ -104,25 +103,13 @@ def state_dict_type(
 
 
 def _units_of(module: nn.Module, api: str) -> List[nn.Module]:
-    units = _all_units(module)
+    units = fsdp_units(module)
     if not units:
         raise ValueError(
             f"fsdp1: {api}() found no FullyShardedDataParallel unit in {type(module).__name__}; pass the "
             "wrapped model (or a module that contains its units)."
         )
     return units
-
-
-def _all_units(module: nn.Module) -> List[nn.Module]:
-    return fsdp_units(module)
-
-
-def _settings_of(unit: nn.Module) -> StateDictSettings:
-    return state_dicts_of(unit).settings
-
-
-def _effective_type(unit: nn.Module) -> StateDictType:
-    return state_dicts_of(unit).effective_type
 
 
 def _check_idle(unit: nn.Module, api: str) -> None:
@@ -145,7 +132,7 @@ def saving(unit: nn.Module) -> Iterator[None]:
     _check_idle(unit, "state_dict")
     adopt_replaced_flat_params(unit)
     handle = state_of(unit).handle
-    if handle is None or handle.use_orig_params or _effective_type(unit) is StateDictType.LOCAL_STATE_DICT:
+    if handle is None or handle.use_orig_params or state_dicts_of(unit).effective_type is StateDictType.LOCAL_STATE_DICT:
         yield
         return
     with handle.views.names_registered(_NAME_ONLY):
@@ -155,12 +142,12 @@ def saving(unit: nn.Module) -> Iterator[None]:
 def _in_summon_full_params(unit: nn.Module) -> bool:
     """A FULL state dict inside ``summon_full_params``, as torch's allows: the values are the
     summoned parameters, copied; other types there are refused by ``_check_idle``."""
-    return state_of(unit).training_state is TrainingState.SUMMON_FULL_PARAMS and _effective_type(unit) is StateDictType.FULL_STATE_DICT
+    return state_of(unit).training_state is TrainingState.SUMMON_FULL_PARAMS and state_dicts_of(unit).effective_type is StateDictType.FULL_STATE_DICT
 
 
 def _post_state_dict(unit: nn.Module, destination: Dict[str, Any], prefix: str, local_metadata: Any) -> Dict[str, Any]:
     _strip_wrapper_names(destination, prefix)
-    kind = _effective_type(unit)
+    kind = state_dicts_of(unit).effective_type
     settings = state_dicts_of(unit)
     config = settings.config if kind is settings.type else FullStateDictConfig()
     keep = not (kind is StateDictType.FULL_STATE_DICT and getattr(config, "rank0_only", False) and comm.global_rank() != 0)
@@ -267,7 +254,7 @@ def loading(unit: nn.Module, strict: bool) -> Iterator[None]:
     passes them True whatever it is), so that missing and unexpected keys are refused before anything
     is written, not after."""
     adopt_replaced_flat_params(unit)
-    units = _all_units(unit)
+    units = fsdp_units(unit)
     for member in units:
         state_dicts_of(member).load_is_strict = strict
     try:
@@ -284,13 +271,13 @@ def _pre_load_state_dict(
     _check_idle(unit, "load_state_dict")
     if FSDP_WRAPPED_MODULE not in prefix.split("."):  # the first unit of this load: check its subtree
         comm.check_every_rank_calls(state_of(unit).process_group, "load_state_dict()")
-        problem = _check_subtree(unit, state_dict, prefix, bool(state_dicts_of(unit).load_is_strict))
-        _agree_on(unit, prefix, problem)
+        problem = check_subtree(unit, state_dict, prefix, bool(state_dicts_of(unit).load_is_strict))
+        agree_on(unit, prefix, problem)
     loaded: Set[str] = set()
     handle = state_of(unit).handle
     clean_prefix = clean_fqn(prefix)
     if handle is not None:
-        kind = _effective_type(unit)
+        kind = state_dicts_of(unit).effective_type
         if kind is StateDictType.LOCAL_STATE_DICT:
             value = state_dict.pop(prefix + FLAT_PARAM, None)
             if value is None:
@@ -313,7 +300,7 @@ def _pre_load_state_dict(
             if kind is StateDictType.FULL_STATE_DICT:
                 handle.conversions.load_full_params([None if v is None else _full_value(v) for v in values])
             else:
-                handle.conversions.load_dim0_chunks([None if v is None else _dim0_chunk(unit, handle, i, v) for i, v in enumerate(values)])
+                handle.conversions.load_dim0_chunks([None if v is None else dim0_chunk(unit, handle, i, v) for i, v in enumerate(values)])
     state_dicts_of(unit).keys_loaded_by_hook = loaded
     for key in [key for key in state_dict if key.startswith(prefix)]:
         state_dict[prefix + FSDP_PREFIX + key[len(prefix) :]] = state_dict.pop(key)
@@ -340,7 +327,7 @@ def _full_value(value: Any) -> torch.Tensor:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
-def _dim0_chunk(unit: nn.Module, handle: FlatParamHandle, index: int, value: Any) -> torch.Tensor:
+def dim0_chunk(unit: nn.Module, handle: FlatParamHandle, index: int, value: Any) -> torch.Tensor:
     """This rank's dim-0 rows of ``value``: the local part of a DTensor or ShardedTensor laid out as
     this unit saves (the usual case: a template from ``state_dict()`` filled by DCP), else cut from
     the full value (a plain tensor, or any other layout gathered first)."""
@@ -377,109 +364,3 @@ def _local_part(value: Any) -> torch.Tensor:
 
 def _is_sharded_tensor(value: Any) -> bool:
     return type(value).__name__ == "ShardedTensor" and hasattr(value, "local_shards")
-
-
-# ---------------------------------------------------------------------------------------- checking
-def _check_subtree(unit: nn.Module, state_dict: Dict[str, Any], prefix: str, strict: bool) -> Optional[str]:
-    """What is wrong with ``state_dict`` for ``unit``'s subtree (None if nothing): a value whose shape
-    differs from the model's, and with ``strict`` a key the model has and the dict lacks or the
-    reverse (through a root that is not a unit, strictness is not known here: ``nn.Module`` then
-    reports those keys after loading the rest, as it does for a plain model). Keys a module may fill
-    or consume in its own way (``_is_exempt``) are only checked for shape."""
-    expected, exempt = _expected_entries(unit)
-    given = {key[len(prefix) :]: value for key, value in state_dict.items() if key.startswith(prefix)}
-    clean_prefix = clean_fqn(prefix)
-    for name, shape in expected.items():
-        value = given.get(name)
-        if value is None or shape is None or not torch.overrides.is_tensor_like(value):
-            continue
-        if tuple(value.shape) != tuple(shape):
-            return (
-                f"size mismatch for '{clean_prefix}{name}': the state dict has shape {tuple(value.shape)}, the "
-                f"model {tuple(shape)}. Load a checkpoint of this model, or fix the model's configuration."
-            )
-    if not strict:
-        return None
-    missing = [name for name in expected if name not in given and not _is_exempt(name, exempt)]
-    unexpected = [name for name in given if name not in expected and not _is_exempt(name, exempt)]
-    parts = []
-    if missing:
-        parts.append(f"missing key(s) {_names(clean_prefix, missing)}")
-    if unexpected:
-        parts.append(f"unexpected key(s) {_names(clean_prefix, unexpected)}")
-    if parts:
-        return " and ".join(parts) + ". Pass strict=False to load the keys that match and get the rest listed."
-    return None
-
-
-def _is_exempt(name: str, exempt: List[str]) -> bool:
-    """``exempt`` holds key names, and module prefixes (ending in a dot) for every key below them."""
-    return any(name == entry or (entry.endswith(".") or entry == "") and name.startswith(entry) for entry in exempt)
-
-
-def _names(prefix: str, names: Sequence[str], shown: int = 5) -> str:
-    listed = ", ".join(f"'{prefix}{name}'" for name in names[:shown])
-    return listed + (f" and {len(names) - shown} more" if len(names) > shown else "")
-
-
-def _expected_entries(unit: nn.Module) -> Tuple[Dict[str, Optional[torch.Size]], List[str]]:
-    """The clean keys (relative to ``unit``) a state dict of its subtree has, with their shapes (None
-    where unknown), and what ``_is_exempt`` spares: the keys a norm layer fills or drops itself
-    (``num_batches_tracked`` of old checkpoints, running statistics it does not track), and everything below any other module
-    that loads in its own way (a custom ``_load_from_state_dict`` or load hook may rename keys)."""
-    expected: Dict[str, Optional[torch.Size]] = {}
-    exempt: List[str] = []
-    for raw_name, module in unit.named_modules(remove_duplicate=False):
-        path = clean_fqn(raw_name)
-        dot = f"{path}." if path else ""
-        if is_fsdp_unit(module):
-            _add_unit_entries(module, dot, expected)
-            continue
-        if isinstance(module, _NormBase) and not module._load_state_dict_pre_hooks:
-            untracked = [dot + name for name in ("running_mean", "running_var") if module._buffers.get(name) is None]
-            exempt += [dot + "num_batches_tracked", *untracked]
-        elif _loads_in_own_way(module):
-            exempt.append(dot)
-        for attr, param in module._parameters.items():
-            if param is not None and not isinstance(param, FlatParameter) and not getattr(param, FLATTENED, False):
-                expected[dot + attr] = param.shape
-        for attr, buffer in module._buffers.items():
-            if buffer is not None and attr not in module._non_persistent_buffers_set:
-                expected[dot + attr] = buffer.shape
-        if type(module).get_extra_state is not nn.Module.get_extra_state:
-            expected[dot + "_extra_state"] = None
-    return expected, exempt
-
-
-def _add_unit_entries(unit: nn.Module, dot: str, expected: Dict[str, Optional[torch.Size]]) -> None:
-    handle = state_of(unit).handle
-    if handle is None:
-        return
-    if _effective_type(unit) is StateDictType.LOCAL_STATE_DICT:
-        expected[dot + FLAT_PARAM] = torch.Size([handle.layout.unpadded_numel])
-        return
-    for fqn, index in handle.views.slot_fqns():
-        expected[dot + clean_fqn(fqn)] = handle.layout.shapes[index]
-
-
-def _loads_in_own_way(module: nn.Module) -> bool:
-    if hasattr(module, "_checkpoint_wrapped_module"):  # only renames keys, which the checks already undo
-        return False
-    return type(module)._load_from_state_dict is not nn.Module._load_from_state_dict or bool(module._load_state_dict_pre_hooks)
-
-
-def _agree_on(unit: nn.Module, prefix: str, problem: Optional[str]) -> None:
-    """Raise on every rank of the unit's group if the check failed on any, naming the ranks, so that
-    no rank goes on into a collective the others never reach."""
-    problems = comm.all_gather_object(problem, state_of(unit).process_group) if state_of(unit).world_size > 1 else [problem]
-    failed = [(rank, p) for rank, p in enumerate(problems) if p is not None]
-    if not failed:
-        return
-    ranks = ", ".join(str(rank) for rank, _ in failed)
-    where = (
-        "the model is unchanged"
-        if not prefix
-        else f"nothing below '{clean_fqn(prefix)[:-1]}' was loaded, but its parent, which is not an FSDP unit, may "
-        "have loaded its own entries before (wrap the root in FullyShardedDataParallel to have the whole dict checked first)"
-    )
-    raise RuntimeError(f"fsdp1: load_state_dict() refused on rank(s) {ranks}; {where}: {failed[0][1]}")
