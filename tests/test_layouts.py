@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp1._engine import collectives as comm
-from fsdp1._fully_shard.row_shard_layout import RowShardLayout
+from fsdp1._fully_shard.chunk_shard_layout import ChunkShardLayout
 from fsdp1._wrapper.flat_shard_layout import FlatShardLayout
 
 from _harness import run_on_ranks
@@ -22,8 +22,8 @@ LAYOUTS = {
     "flat": lambda rank, world: FlatShardLayout(SHAPES, 0, rank, world, is_sharded=True),
     "flat_aligned": lambda rank, world: FlatShardLayout(SHAPES, 4, rank, world, is_sharded=True),
     "flat_unsharded": lambda rank, world: FlatShardLayout(SHAPES, 0, rank, world, is_sharded=False),
-    "rows": lambda rank, world: RowShardLayout(SHAPES, rank, world),
-    "rows_other_dims": lambda rank, world: RowShardLayout(SHAPES, rank, world, shard_dims=(0, 0, 2, 1, 0, 2)),
+    "rows": lambda rank, world: ChunkShardLayout(SHAPES, rank, world),
+    "rows_other_dims": lambda rank, world: ChunkShardLayout(SHAPES, rank, world, shard_dims=(0, 0, 2, 1, 0, 2)),
 }
 
 
@@ -83,7 +83,7 @@ def _rows_come_out(kind):
     layout.shard_of_values(values, shard)
     row_world, row_rank = (world, rank) if layout.is_sharded else (1, 0)
     expected = [_chunk(value, dim, row_rank, row_world) for value, dim in zip(values, layout.shard_dims)]
-    return [torch.equal(got, want) for got, want in zip(layout.rows_of(shard, dist.group.WORLD), expected)]
+    return [torch.equal(got, want) for got, want in zip(layout.held_slices_of(shard, dist.group.WORLD), expected)]
 
 
 def _rows_go_back(kind):
@@ -91,7 +91,7 @@ def _rows_go_back(kind):
     shard = torch.zeros(layout.shard_numel)
     layout.shard_of_values(_values(3), shard)
     loaded = torch.zeros(layout.shard_numel)
-    layout.load_rows(layout.rows_of(shard, dist.group.WORLD), loaded, dist.group.WORLD)
+    layout.load_held_slices(layout.held_slices_of(shard, dist.group.WORLD), loaded, dist.group.WORLD)
     return [torch.equal(got, want) for got, want in zip(layout.local_views(loaded), layout.local_views(shard))]
 
 

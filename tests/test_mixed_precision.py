@@ -419,7 +419,7 @@ def test_batchnorm_units_evaluate_in_full_precision_after_training():
                                           ("param_dtype", torch.complex64), ("buffer_dtype", torch.bool),
                                           ("param_dtype", "bfloat16")])
 def test_a_dtype_that_is_not_floating_point_is_refused_naming_the_field(field, value):
-    from fsdp1._wrapper.mixed_precision import checked_precision
+    from fsdp1._wrapper.mixed_precision_argument import checked_precision
 
     with pytest.raises(ValueError, match=f"MixedPrecision.{field}=.*floating-point torch.dtype"):
         checked_precision(fsdp1.MixedPrecision(**{field: value}))

@@ -29,7 +29,7 @@ def contiguous_stride(shape: Sequence[int]) -> Tuple[int, ...]:
 
 
 @dataclass(frozen=True)
-class RowSharding:
+class MeshPlacements:
     """DTensors on ``mesh`` with ``placements`` over given local tensors: how a ``fully_shard`` unit
     shows its parameters, and how a SHARDED state dict shows a unit's rows (``Shard(0)``)."""
 
@@ -37,7 +37,7 @@ class RowSharding:
     placements: Tuple[Placement, ...]
 
     def dtensor(self, local: torch.Tensor, shape: torch.Size) -> DTensor:
-        """``local`` (this rank's rows) as the DTensor of global ``shape``; the shape is given, not
+        """``local`` (this rank's part) as the DTensor of global ``shape``; the shape is given, not
         inferred, since uneven rows would make every rank infer its own (a hang, pytorch#149138)."""
         return viewing(local, self._stand_in(local, shape)._spec)
 

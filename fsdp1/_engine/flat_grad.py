@@ -12,6 +12,11 @@ order). Its phases, and the only moves between them:
     LOCAL ──every original parameter's .grad set to None──▶ SHARDED
 
 Every move goes through ``_move``, which refuses any other (an internal error naming the phases).
+
+Gradients are set aside when they are about to arrive (``begin_backward``, from the prehook of
+the node that assembles the unsharded gradient), not at the next forward: a forward that no backward
+follows (a metric between backward and step) cannot lose them, and a backward that raises leaves
+them as they were, since its reductions add up apart and join ``.grad`` only in the final callback.
 """
 
 from dataclasses import dataclass

@@ -1,6 +1,12 @@
 """The health of each process group fsdp1 uses: every collective is issued through ``issue``, which
 counts it per group and keeps the last few (``GroupHealth``), so that a failed collective breaks the
-group for fsdp1 and no rank goes on to pair its next collectives with the wrong partners."""
+group for fsdp1 and no rank goes on to pair its next collectives with the wrong partners.
+
+The health belongs to the group, not to a root: units of several roots, the state-dict paths and
+``fsdp1.checkpoint`` share a group, and whichever collective fails, none of them may pair its next
+collective with the wrong partner. A per-collective fingerprint (one more small collective each) is
+the debug option ``FSDP1_DEBUG_COLLECTIVES=1``, not the default.
+"""
 
 import atexit
 import os

@@ -16,6 +16,24 @@ original names), the gradient (``flat_grad``) and the state-dict conversions
 * Outside a unit's own forward the module sees no view of freed storage.
 * Parameters are compared by identity only: ``==`` between tensors is elementwise, so no tensor is
   ever a member of a set of weak references or a key compared by value (tied weights broke so).
+
+The padded buffer as the unsharded flat parameter is what makes the reduce-scatter input free:
+torch's FSDP1 uses the unpadded prefix and pads every gradient with a copy (``F.pad``) per unit per
+step; the views the module sees never include the padding.
+
+Mixed precision keeps two unsharded buffers: the low-precision one forward and backward compute on,
+and the full-precision one that ``summon_full_params``, FULL state dicts and full-precision
+evaluation gather into (``unshard(full_precision)`` picks one and regathers if the other is held).
+One buffer re-typed per gather would break the views autograd saved in forward. The low-precision
+copy of the shard the all-gather reads is made per gather and dropped once the collective's work
+has read it (keeping it until ``wait()`` cost one bf16 shard of peak under prefetching). Every
+handle follows one rule: it computes on a buffer apart from its shard exactly when it is sharded,
+computes in low precision, or is offloaded.
+
+CPU offload moves only the shard and its gradient: the shard lives in pinned CPU memory, a gather
+copies it to the compute device on its way into the all-gather, and a reduced gradient comes back
+asynchronously into pinned memory, with one wait before the optimizer's gradient is assembled. On a
+CPU compute device it is the identity (torch's fails there in ``pin_memory()``).
 """
 
 import contextlib

@@ -11,14 +11,14 @@ nothing else:
   ``local_views``), which the original parameters at rest, their gradients and the state dicts use;
 * which slices of each parameter this rank holds in DTensor's ``Shard(dim)`` (``shard_dims``: dim 0
   but where ``fully_shard`` was told otherwise) and how they move out of the shard and back
-  (``held_rows``, ``rows_of``, ``load_rows``), which SHARDED state dicts use; and how full values
+  (``held_slices``, ``held_slices_of``, ``load_held_slices``), which SHARDED state dicts use; and how full values
   go into a shard (``shard_of_values``).
 
 Every layout keeps the unsharded buffer parameter-major (``flat``: every parameter contiguous, in
 flat order, so that one split gives a forward all of them); the kinds differ in what a rank holds.
 The engine runs any layout through this interface and builds none: each front builds its own kind,
 in a file of its own (``_wrapper/flat_shard_layout.py``: FSDP1's runs of the flat concatenation;
-``_fully_shard/row_shard_layout.py``: FSDP2's chunks of every parameter).
+``_fully_shard/chunk_shard_layout.py``: FSDP2's chunks of every parameter).
 """
 
 from abc import ABC, abstractmethod
@@ -137,24 +137,24 @@ class ParamLayout(ABC):
                 shard[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard] = piece_in_shard(info, value)
 
     @abstractmethod
-    def held_rows(self, index: int) -> Tuple[int, int]:
+    def held_slices(self, index: int) -> Tuple[int, int]:
         """The slices ``[start, end)`` along its shard dim (``shard_dims``) of parameter ``index``
         this rank holds in DTensor's ``Shard(dim)`` over the group (all of them when the layout is
         not sharded)."""
 
     def held_part(self, index: int, full_value: torch.Tensor) -> torch.Tensor:
-        """This rank's slices (``held_rows``) of parameter ``index``'s full value, as a view."""
-        start, end = self.held_rows(index)
+        """This rank's slices (``held_slices``) of parameter ``index``'s full value, as a view."""
+        start, end = self.held_slices(index)
         return full_value.detach().reshape(self.shapes[index]).narrow(self.shard_dims[index], start, end - start)
 
     @abstractmethod
-    def rows_of(self, shard_like: torch.Tensor, group: comm.ProcessGroup) -> List[torch.Tensor]:
+    def held_slices_of(self, shard_like: torch.Tensor, group: comm.ProcessGroup) -> List[torch.Tensor]:
         """Each parameter's slices this rank holds in DTensor's ``Shard(dim)`` over the group, of a
-        tensor laid out as its shard, as new tensors (collective where the layout is not in rows)."""
+        tensor laid out as its shard, as new tensors (collective where the shard does not hold them whole)."""
 
     @abstractmethod
-    def load_rows(self, rows: Sequence[Optional[torch.Tensor]], shard_like: torch.Tensor, group: comm.ProcessGroup) -> None:
-        """The inverse of ``rows_of``, written into ``shard_like`` in place; None leaves a parameter
+    def load_held_slices(self, slices: Sequence[Optional[torch.Tensor]], shard_like: torch.Tensor, group: comm.ProcessGroup) -> None:
+        """The inverse of ``held_slices_of``, written into ``shard_like`` in place; None leaves a parameter
         as it is (on every rank alike)."""
 
     def flatten(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -2,7 +2,18 @@
 DTensor views). The original ``nn.Parameter`` objects stay registered; at rest they view this rank's
 part of the shard (an optimizer built on ``model.parameters()`` steps them, and their ``.grad``
 views the sharded gradient); during computation the modules hold views of the unsharded flat
-parameter."""
+parameter.
+
+Frozen parameters are laid out after the trainable ones (the slot order), so the trainable
+elements of each shard are one contiguous span and the gradient kept between steps covers that
+span only (pytorch#104690; see ``FlatGrad``). What the user assigns to an original parameter between
+steps (a new ``Parameter`` in its place, or new ``.data``) becomes part of the shard at the next
+forward, state dict or ``summon_full_params``, as under torch's FSDP1; a shape other than the
+resting view's raises instead of being dropped. Writes into the shard from outside autograd go
+through ``.data``, so that the flat parameter's version counter, which the views a pending backward
+saved check, does not move. Where a module's class overrides ``__setattr__``, views are assigned
+through it, as torch's does.
+"""
 
 import contextlib
 from typing import Iterator, List, Optional, Sequence, Tuple

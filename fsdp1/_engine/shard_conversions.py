@@ -1,6 +1,6 @@
 """A unit's state-dict conversions: its parameters, and any tensor laid out as its local shard
 (optimizer state), between the flat shard and the per-parameter forms FULL (full values), SHARDED
-(DTensor rows, which the layout moves: ``ParamLayout.rows_of``) and LOCAL (the unpadded shard) describe.
+(DTensor rows, which the layout moves: ``ParamLayout.held_slices_of``) and LOCAL (the unpadded shard) describe.
 
 ``ShardConversions`` reads the layout and writes the shard of the handle that holds it; what it
 needs of the handle is ``ShardHolder``: the shard itself, where the group computes, and the reshard
@@ -47,13 +47,13 @@ class ShardConversions:
     def dim0_chunks(self) -> List[torch.Tensor]:
         """Each parameter's rows that this rank holds when split along dim 0 over the group (DTensor's
         ``Shard(0)``), as new tensors, without unsharding the unit."""
-        return self.rows_of(self._holder.local_shard)
+        return self.held_slices_of(self._holder.local_shard)
 
     def load_dim0_chunks(self, chunks: Sequence[Optional[torch.Tensor]]) -> None:
         """The inverse of ``dim0_chunks``: each parameter's rows of this rank (None keeps the
         parameter, on every rank alike) go into the shard."""
         with torch.no_grad():
-            self._layout.load_rows(chunks, self._holder.local_shard, self._group)
+            self._layout.load_held_slices(chunks, self._holder.local_shard, self._group)
         self._holder.reshard()
 
     def local_flat_shard(self) -> torch.Tensor:
@@ -94,12 +94,12 @@ class ShardConversions:
                 view.copy_(value.detach().reshape(view.shape))
         return full
 
-    def rows_of(self, flat_shard: torch.Tensor) -> List[torch.Tensor]:
+    def held_slices_of(self, flat_shard: torch.Tensor) -> List[torch.Tensor]:
         """Each parameter's dim-0 rows of this rank, of a shard-laid-out tensor."""
-        return self._layout.rows_of(flat_shard, self._group)
+        return self._layout.held_slices_of(flat_shard, self._group)
 
     def shard_of_rows(self, rows: Sequence[Optional[torch.Tensor]], like: torch.Tensor) -> torch.Tensor:
-        """The inverse of ``rows_of``, in a new shard-laid-out tensor (None: zeros)."""
+        """The inverse of ``held_slices_of``, in a new shard-laid-out tensor (None: zeros)."""
         shard = like.new_zeros(self._layout.shard_numel)
-        self._layout.load_rows(rows, shard, self._group)
+        self._layout.load_held_slices(rows, shard, self._group)
         return shard

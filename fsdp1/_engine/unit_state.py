@@ -1,7 +1,7 @@
 """``UnitState``: one unit's runtime state, whose methods are the unit's forward and backward hooks.
 The only module that registers a unit's forward and autograd hooks (``group_forward`` registers a
 group's on its behalf; the full-precision modules of FSDP1's mixed precision cast their own inputs
-and outputs with hooks of ``_wrapper.mixed_precision``).
+and outputs with hooks of ``_wrapper.mixed_precision_argument``).
 
 A unit is the module that owns the state (``owner``: a ``FullyShardedDataParallel``, or any module
 that holds a ``UnitState`` under ``FSDP_STATE``) and the module whose forward the hooks wrap
@@ -11,6 +11,15 @@ group, the schedule its front resolved, the sync flag, the training state and th
 
 The hooks run eagerly under ``torch.compile``: dynamo breaks the graph at each of them and compiles
 the module bodies between (``eager_only``).
+
+The forward hooks sit on the wrapped module, not in the wrapper's ``forward``: ``generate()``
+reaches a wrapped Hugging Face model through attribute forwarding (and an encoder-decoder's encoder
+directly), where torch's FSDP1 computes on sharded parameters. Each submodule of the unit gets a
+cheap pair too, acting only when the unit is IDLE, i.e. called from outside the unit's own forward.
+Backward re-installs the last forward's views after gathering again: activation checkpointing
+inside a unit recomputes part of its forward and must reach views tied to the flat parameter; a
+post-backward hook firing in another graph task than the unit's backward began in only
+accumulates (torch's FSDP1 reduces there and fails, pytorch#89781).
 """
 
 import contextlib

@@ -456,14 +456,14 @@ def _sharded_part(value: torch.Tensor, layout: ParamLayout, index: int) -> torch
     from its start): a zero tensor of the padded chunk's size, this rank's chunk copied in, viewed
     without the padding. (torchao's NF4 weights slice only from a start of 0.)"""
     dim = layout.shard_dims[index]
-    start, end = layout.held_rows(index)
+    start, end = layout.held_slices(index)
     chunks = torch.chunk(value, layout.world_size, dim=dim)
     padded = list(value.shape)
     padded[dim] = chunks[0].shape[dim]
     part = value.new_zeros(padded)
     if end > start:
         held = chunks[start // padded[dim]]
-        assert held.shape[dim] == end - start, "torch.chunk splits as the rows layout does"
+        assert held.shape[dim] == end - start, "torch.chunk splits as the chunk layout does"
         part.narrow(dim, 0, end - start).copy_(held)
     return part.narrow(dim, 0, end - start)
 

@@ -2,12 +2,18 @@
 
 ``fully_shard(module)`` makes ``module`` a unit in place: its parameters (minus those of modules
 sharded before it, and ``ignored_params``) go into one ``FlatParamHandle`` whose layout splits every
-parameter along its shard dim (``RowShardLayout``) and whose views are DTensors over the mesh, as
+parameter along its shard dim (``ChunkShardLayout``) and whose views are DTensors over the mesh, as
 each parameter's ``ParamSharding`` places them (``DTensorParamViews``); the module holds its own
 ``UnitState``, so the runtime is the one ``FullyShardedDataParallel`` units run on; and its class
 becomes ``FSDP<Class>``, a subclass of both ``FSDPModule`` and the original class, which carries
 FSDP2's methods. Modules are sharded bottom-up:
 blocks first, then the root, whose first forward makes it the root of every unit below it.
+
+One handle per group, as FSDP1's units, not one per parameter as torch's ``FSDPParam``: that would
+repeat the lifecycle, precision, offload and reduction per parameter and still need a group object
+for the one collective. What differs from FSDP1 is data: the layout, the views and the schedule.
+Every unit reshards after a forward without grad, as FSDP1 units do: keeping torch's registration
+after an evaluation forward let an optimizer built on ``parameters()`` train the root silently wrong.
 """
 
 from collections import OrderedDict
@@ -20,7 +26,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .._engine import collectives as comm
 from .._engine.collectives import ProcessGroups
-from .._engine.dtensors import RowSharding, is_wrapper_subclass
+from .._engine.dtensors import MeshPlacements, is_wrapper_subclass
 from .._engine.flat_grad import ReduceSettings
 from .._engine.handle import FlatParamHandle
 from .._engine.mixed_precision import HandlePrecision
@@ -45,13 +51,13 @@ from .arguments import (
     placement_dim,
     reshard_after_forward_flag,
 )
+from .chunk_shard_layout import ChunkShardLayout
 from .dtensor_views import DTensorParamViews
 from .extensions import GatherContext, has_extension
 from .module import FSDPModule, _fsdp_class
 from .param_sharding import DataParallelMesh, ParamSharding
 from .pipeline import StageReduction, watch_for_unrecognising_stage
 from .post_forward import PostForwardRows
-from .row_shard_layout import RowShardLayout
 
 
 def fully_shard(
@@ -128,13 +134,13 @@ def _check_resharding_to_fewer_ranks(value: Optional[Union[bool, int]], rows_gro
 
 def _group_handle(module: nn.Module, slots: List[ParamSlot], shardings: Dict[int, ParamSharding], dp_mesh: DataParallelMesh,
                   policy: MixedPrecisionPolicy, offload: OffloadPolicy, rows_group_size: int) -> FlatParamHandle:
-    """The handle of the group's parameters: DTensor views over the rows layout, reduced as torch's FSDP2 reduces."""
+    """The handle of the group's parameters: DTensor views over the chunk layout, reduced as torch's FSDP2 reduces."""
     shard_group, replicate_group = dp_mesh.groups
     precision = HandlePrecision(slots[0].live_param.dtype, policy.param_dtype, policy.reduce_dtype,
                                 accumulates_in_reduce_dtype=True)
     context = GatherContext(dp_mesh.shard_mesh, policy, policy.param_dtype)
     views = DTensorParamViews(slots, module, shardings, context)
-    layout = RowShardLayout(views.shapes, comm.group_rank(shard_group), comm.group_size(shard_group),
+    layout = ChunkShardLayout(views.shapes, comm.group_rank(shard_group), comm.group_size(shard_group),
                             shard_dims=[sharding.shard_dim for sharding in views.shardings])
     # torch's FSDP2 averages with ReduceOp.AVG (sum, then divide) outside fp16: one division of the
     # reduced shard instead of one of the whole gradient before the reduction
@@ -175,11 +181,11 @@ def _become_a_unit(module: nn.Module, handle: Optional[FlatParamHandle]) -> None
 fully_shard.state = StageReduction  # type: ignore[attr-defined]  # torch's fully_shard.state(module), which its pipeline stages call
 
 
-def _rows_after_forward(layout: RowShardLayout, mesh: comm.DeviceMesh, group_size: int) -> PostForwardRows:
+def _rows_after_forward(layout: ChunkShardLayout, mesh: comm.DeviceMesh, group_size: int) -> PostForwardRows:
     """After forward, keep each rank's rows over consecutive runs of ``group_size`` ranks, shown as
     torch's are: ``(Replicate(), Shard(0))`` on a ``(world / group_size, group_size)`` mesh."""
     regrouped = comm.regrouped_mesh(mesh, group_size)
-    return PostForwardRows(layout, comm.mesh_groups(regrouped)[1], RowSharding(regrouped, (Replicate(), Shard(0))))
+    return PostForwardRows(layout, comm.mesh_groups(regrouped)[1], MeshPlacements(regrouped, (Replicate(), Shard(0))))
 
 
 def _mesh_device(mesh: comm.DeviceMesh) -> torch.device:

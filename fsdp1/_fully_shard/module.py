@@ -16,7 +16,7 @@ from .._engine.common import TrainingState
 from .._engine.handle import RESTING
 from .._engine.unit_state import UnitState, gradients_unsynchronised, state_of
 from .._engine.unshard import summon_full_params
-from .row_shard_layout import RowShardLayout
+from .chunk_shard_layout import ChunkShardLayout
 
 
 class UnshardHandle:
@@ -187,7 +187,7 @@ class FSDPModule(nn.Module):
         output and gathers each rank's flat shard into it, as under torch's FSDP2."""
         handle = _state(self).handle
         if handle is not None:
-            assert isinstance(handle.layout, RowShardLayout), "fully_shard's layout"
+            assert isinstance(handle.layout, ChunkShardLayout), "fully_shard's layout"
             handle.layout.user_all_gather = comm
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:

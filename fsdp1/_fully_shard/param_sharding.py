@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .._engine import collectives as comm
-from .._engine.dtensors import RowSharding
+from .._engine.dtensors import MeshPlacements
 from ..api import DataParallelMeshDims
 
 
@@ -35,8 +35,8 @@ class ParamSharding:
     shape: torch.Size
     local_shape: torch.Size
     shard_dim: int
-    at_rest: RowSharding
-    computing: Optional[RowSharding] = None
+    at_rest: MeshPlacements
+    computing: Optional[MeshPlacements] = None
     kept_dims: Tuple[int, ...] = ()
     _computing_specs: Dict[torch.dtype, Any] = field(default_factory=dict, compare=False, repr=False)  # by dtype
 
@@ -155,7 +155,7 @@ class DataParallelMesh:
         placements: Tuple[Placement, ...] = (Shard(shard_dim),)
         if self.replicates:
             placements = (Replicate(), *placements)
-        return ParamSharding(param.shape, param.shape, shard_dim, RowSharding(self.mesh, placements))
+        return ParamSharding(param.shape, param.shape, shard_dim, MeshPlacements(self.mesh, placements))
 
     def _tensor_parallel_sharding(self, param: DTensor, shard_dim: int) -> ParamSharding:
         spec = param._spec
@@ -167,8 +167,8 @@ class DataParallelMesh:
         if self.replicates:
             placements = (Replicate(), *placements)
         mesh = comm.DeviceMesh._concatenate([self.mesh, spec.mesh])
-        return ParamSharding(param.shape, param._local_tensor.shape, shard_dim, RowSharding(mesh, placements),
-                             computing=RowSharding(spec.mesh, tuple(spec.placements)))
+        return ParamSharding(param.shape, param._local_tensor.shape, shard_dim, MeshPlacements(mesh, placements),
+                             computing=MeshPlacements(spec.mesh, tuple(spec.placements)))
 
     def _spmd_sharding(self, param: nn.Parameter, shard_dim: int, fqn: str) -> ParamSharding:
         dims = cast(DataParallelMeshDims, self.dims)
@@ -201,14 +201,14 @@ class DataParallelMesh:
                 if isinstance(placement, Shard) and placement.dim == shard_dim:
                     split_factor *= mesh.size(later)
             placements[index] = _StridedShard(shard_dim, split_factor=split_factor) if split_factor > 1 else Shard(shard_dim)
-        at_rest = RowSharding(mesh, tuple(placements))  # replicas only: the placements the parameter had
+        at_rest = MeshPlacements(mesh, tuple(placements))  # replicas only: the placements the parameter had
         if len(shard_dims) > 1:
             at_rest = self._flattened_sharding(placements, shard_dims)
         return ParamSharding(param.shape, param._local_tensor.shape, shard_dim, at_rest,
-                             computing=RowSharding(mesh, tuple(spec.placements)),
+                             computing=MeshPlacements(mesh, tuple(spec.placements)),
                              kept_dims=tuple(sorted(shard_dims + replicate_dims)))
 
-    def _flattened_sharding(self, placements: Sequence[Placement], shard_dims: Sequence[int]) -> RowSharding:
+    def _flattened_sharding(self, placements: Sequence[Placement], shard_dims: Sequence[int]) -> MeshPlacements:
         """Several data-parallel shard dims show as one, the flattened mesh's, where the first of them
         stood (a replicate dim just before it); the other dims keep their places."""
         mesh = cast(comm.DeviceMesh, self.spmd_mesh)
@@ -227,7 +227,7 @@ class DataParallelMesh:
             else:
                 submeshes.append(mesh[name])
                 shown.append(placements[index])
-        return RowSharding(comm.DeviceMesh._concatenate(submeshes), tuple(shown))
+        return MeshPlacements(comm.DeviceMesh._concatenate(submeshes), tuple(shown))
 
 
 def _submesh(mesh: comm.DeviceMesh, names: Tuple[str, ...]) -> comm.DeviceMesh:

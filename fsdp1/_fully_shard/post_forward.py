@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from .._engine import collectives as comm
-from .._engine.dtensors import RowSharding
+from .._engine.dtensors import MeshPlacements
 from .._engine.layout import alloc_storage
-from .row_shard_layout import RowShardLayout
+from .chunk_shard_layout import ChunkShardLayout
 
 
 class PostForwardRows:
@@ -18,9 +18,9 @@ class PostForwardRows:
     as torch's FSDP2), so that backward gathers over those ``k`` ranks only. ``full`` is the unit's
     own layout; the kept rows have a layout of their own over the ``k`` ranks."""
 
-    def __init__(self, full: RowShardLayout, group: comm.ProcessGroup, sharding: RowSharding) -> None:
+    def __init__(self, full: ChunkShardLayout, group: comm.ProcessGroup, sharding: MeshPlacements) -> None:
         self._full = full
-        self.layout = RowShardLayout(full.shapes, comm.group_rank(group), comm.group_size(group))
+        self.layout = ChunkShardLayout(full.shapes, comm.group_rank(group), comm.group_size(group))
         self.group = group
         self.sharding = sharding
         self._kept: Optional[torch.Tensor] = None
@@ -29,7 +29,7 @@ class PostForwardRows:
         """Keep this rank's rows of the gathered parameters; the DTensors the module shows meanwhile."""
         kept = unsharded.new_zeros(self.layout.shard_numel)
         for index, param in enumerate(self._full.unflatten(unsharded.detach())):
-            start, end = self.layout.held_rows(index)
+            start, end = self.layout.held_slices(index)
             self.layout.local_view(kept, index).copy_(param[start:end])
         self._kept = kept
         return [self.sharding.parameter(local, shape, requires_grad=False)

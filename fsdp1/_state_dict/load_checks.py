@@ -1,6 +1,11 @@
 """What ``load_state_dict`` checks before it writes anything: the first unit a load reaches checks its
 whole subtree's keys and shapes against the state dict (``check_subtree``), and the ranks agree on
-the verdict (``agree_on``), so that a refused load leaves the model as it was on every rank."""
+the verdict (``agree_on``), so that a refused load leaves the model as it was on every rank.
+
+``nn.Module.load_state_dict`` copies what matches and reports the rest at the end, and passes its
+hooks ``strict=True`` whatever the caller asked; so the unit's own ``load_state_dict`` records
+``strict``, and through a root that is not a unit (strictness unknown) only shapes are checked first.
+"""
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 

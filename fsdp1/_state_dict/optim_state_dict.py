@@ -12,6 +12,7 @@ no state for it), so every rank issues the same collectives.
 
 import contextlib
 import warnings
+from enum import Enum, auto
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -74,7 +75,7 @@ def _unit_state_out(entry: UnitEntry, saved: Dict[int, State], sharded: bool, of
         flat = _shard_laid_out(entry, saved, name, dtype)
         values: Sequence[torch.Tensor]
         if sharded:
-            values = rows_as_dtensors(entry.unit, handle.conversions.rows_of(flat), offload)
+            values = rows_as_dtensors(entry.unit, handle.conversions.held_slices_of(flat), offload)
         else:
             gathered = handle.conversions.full_values_of(flat)  # every rank takes part; only those that keep copy out
             values = [value.to("cpu", copy=True) if offload else value.clone() for value in gathered] if keep else []
@@ -198,7 +199,7 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, opt
     else:
         _check_every_rank_calls(model, "optim_state_dict_to_load()")
         from_rank0 = kind is StateDictType.FULL_STATE_DICT and getattr(settings.optim_state_dict_config, "rank0_only", False)
-        mode = "sharded" if kind is StateDictType.SHARDED_STATE_DICT else "rank0" if from_rank0 else "full"
+        mode = _Given.SHARDED if kind is StateDictType.SHARDED_STATE_DICT else _Given.ON_RANK0 if from_rank0 else _Given.FULL
         group_sizes = [len(group["params"]) for group in optim.param_groups]
         result = _to_load(model, params_of(optim), group_sizes, optim_state_dict or {}, mode)
     if load_directly:
@@ -206,14 +207,22 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, opt
     return result
 
 
+class _Given(Enum):
+    """The form of the optimizer state a load is given."""
+
+    FULL = auto()  # every rank holds every parameter's full state
+    ON_RANK0 = auto()  # only rank 0 does (rank0_only): it checks, describes and scatters each unit's
+    SHARDED = auto()  # each rank holds its DTensor slices, as a SHARDED save wrote them
+
+
 def _to_load(model: nn.Module, order: Sequence[torch.Tensor], group_sizes: Optional[List[int]], given: State,
-             mode: str) -> State:
+             mode: _Given) -> State:
     """``given`` keyed by the positions of ``order`` (the optimizer's parameters). With the optimizer's
     ``group_sizes`` its groups are checked against the dict's; without (an older load given no
     optimizer) the dict's own groups are kept, as torch's."""
     params = OptimizerParams(model, order)
     by_name = given.get("state", {})
-    if mode == "rank0":  # what is not per unit comes from rank 0 as objects (hyper-parameters, plain parameters)
+    if mode is _Given.ON_RANK0:  # what is not per unit comes from rank 0 as objects (hyper-parameters, plain parameters)
         plain = {fqn: by_name[fqn] for _, fqn in params.plain if fqn in by_name}
         shared = comm.broadcast_object_from_first({"param_groups": given.get("param_groups"), "plain": plain}, comm.default_group())
         given = {"state": {**by_name, **shared["plain"]}, "param_groups": shared["param_groups"]}
@@ -274,10 +283,10 @@ class _TensorState:
         self.dtype = dtype
 
 
-def _unit_state_in(entry: UnitEntry, by_name: Dict[str, State], mode: str, out: Dict[int, State]) -> None:
+def _unit_state_in(entry: UnitEntry, by_name: Dict[str, State], mode: _Given, out: Dict[int, State]) -> None:
     handle = entry.handle
     present = [by_name.get(fqn, {}) for fqn in entry.fqns]
-    if mode == "rank0":  # rank 0 checks and describes the unit's state to every rank (values stay on rank 0)
+    if mode is _Given.ON_RANK0:  # rank 0 checks and describes the unit's state to every rank (values stay on rank 0)
         problem = _shape_problem(entry, present) if comm.global_rank() == 0 else None
         described = [{n: _TensorState(v.dtype) if _is_tensor_state(v) else v for n, v in s.items()} for s in present]
         described, problem = comm.broadcast_object_from_first((described, problem), comm.default_group())
@@ -286,11 +295,11 @@ def _unit_state_in(entry: UnitEntry, by_name: Dict[str, State], mode: str, out: 
         present = present if comm.global_rank() == 0 else described
     elif problem := _shape_problem(entry, present):
         raise ValueError(problem)
-    if mode == "sharded" and state_dicts_of(entry.unit).effective_type is StateDictType.FULL_STATE_DICT:
-        mode = "full"  # a NO_SHARD unit saved full tensors, as its parameters
+    if mode is _Given.SHARDED and state_dicts_of(entry.unit).effective_type is StateDictType.FULL_STATE_DICT:
+        mode = _Given.FULL  # a NO_SHARD unit saved full tensors, as its parameters
     names = sorted({n for s in present for n, v in s.items() if _is_tensor_state(v) or isinstance(v, _TensorState)})
     shapes = [p.shape for p in handle.views.orig_params()] if handle.use_orig_params else []
-    if handle.use_orig_params and mode == "full":  # each parameter's slice straight from its full value
+    if handle.use_orig_params and mode is _Given.FULL:  # each parameter's slice straight from its full value
         for info, position, state, shape in zip(handle.layout.shard_infos, entry.positions, present, shapes):
             if position is not None and state and info.in_shard:
                 out[position] = {n: piece_in_shard(info, v).reshape(shape).clone() if n in names else _copied(v)
@@ -301,10 +310,10 @@ def _unit_state_in(entry: UnitEntry, by_name: Dict[str, State], mode: str, out: 
     for name in names:
         values = [s.get(name) for s in present]
         template = like.new_empty(0, dtype=next(v for v in values if v is not None).dtype)
-        if mode == "sharded":
+        if mode is _Given.SHARDED:
             rows = [None if v is None else dim0_chunk(entry.unit, handle, i, v) for i, v in enumerate(values)]
             flats[name] = handle.conversions.shard_of_rows(rows, template)
-        elif mode == "full":
+        elif mode is _Given.FULL:
             flats[name] = handle.conversions.shard_of_full_values(values, template)
         else:
             flats[name] = _scattered(entry, values, template)
@@ -438,7 +447,7 @@ def _full_to_load(full: Optional[State], model: nn.Module, optim: Optional[torch
         )
     _check_every_rank_calls(model, "optim_state_dict_to_load()")
     order = list(model.parameters()) if optim_input is None else params_in(optim_input)
-    return _to_load(model, order, None, full or {}, "rank0" if rank0_only else "full")
+    return _to_load(model, order, None, full or {}, _Given.ON_RANK0 if rank0_only else _Given.FULL)
 
 
 def rekey_optim_state_dict(optim_state_dict: State, by_name: bool, model: nn.Module,

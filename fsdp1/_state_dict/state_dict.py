@@ -13,6 +13,12 @@ Loading: the first unit the load reaches checks its whole subtree (keys, shapes)
 verdict across its ranks before anything is written, so a failed load leaves the model as it was
 and raises on every rank. Each unit then writes its own parameters into its shard and hands the
 rest on under the wrapped names; its post-hook reports missing and unexpected keys by clean name.
+
+A SHARDED save never unshards a unit (torch's all-gathers each, then keeps its rows): a rank's
+rows of a parameter lie in the flat shards of one or two ranks, so one all-to-all per unit moves
+about one shard of bytes and holds about one shard extra (half the largest unit on 2 ranks, where
+torch's holds the whole unit). Saving the flat shards themselves (LOCAL's form) was rejected: it
+neither reshards nor loads into torch's FSDP1.
 """
 
 import contextlib
@@ -24,7 +30,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from .._engine import collectives as comm
 from .._engine.common import TrainingState
-from .._engine.dtensors import RowSharding
+from .._engine.dtensors import MeshPlacements
 from .._engine.handle import FlatParamHandle
 from .._engine.traversal import FSDP_PREFIX, FSDP_WRAPPED_MODULE, clean_fqn, fsdp_units
 from .._engine.unit_state import adopt_replaced_flat_params, state_of
@@ -225,11 +231,11 @@ def _sharded_values(unit: nn.Module, handle: FlatParamHandle, offload_to_cpu: bo
 
 
 def rows_as_dtensors(unit: nn.Module, rows: List[torch.Tensor], offload_to_cpu: bool) -> List[DTensor]:
-    """Each parameter's rows of this rank (``handle.conversions.dim0_chunks()`` or ``rows_of`` a state) as the
+    """Each parameter's rows of this rank (``handle.conversions.dim0_chunks()`` or ``held_slices_of`` a state) as the
     DTensor of the whole parameter, ``Shard(0)`` over the unit's shard group."""
     handle = state_of(unit).handle
     assert handle is not None, "rows of a unit without parameters"
-    sharding = RowSharding(_mesh_of(unit), (Shard(0),))
+    sharding = MeshPlacements(_mesh_of(unit), (Shard(0),))
     return [sharding.dtensor(chunk.cpu() if offload_to_cpu else chunk, shape) for chunk, shape in zip(rows, handle.layout.shapes)]
 
 
@@ -237,7 +243,7 @@ def _local_dtensor(unit: nn.Module, handle: FlatParamHandle, offload_to_cpu: boo
     """The unit's unpadded flat parameter as a DTensor whose local part is this rank's shard (a view)."""
     local = handle.conversions.local_flat_shard()
     local = local.cpu() if offload_to_cpu else local
-    return RowSharding(_mesh_of(unit), (Shard(0),)).dtensor(local, torch.Size([handle.layout.unpadded_numel]))
+    return MeshPlacements(_mesh_of(unit), (Shard(0),)).dtensor(local, torch.Size([handle.layout.unpadded_numel]))
 
 
 def _mesh_of(unit: nn.Module) -> comm.DeviceMesh:
@@ -332,7 +338,7 @@ def dim0_chunk(unit: nn.Module, handle: FlatParamHandle, index: int, value: Any)
     this unit saves (the usual case: a template from ``state_dict()`` filled by DCP), else cut from
     the full value (a plain tensor, or any other layout gathered first)."""
     shape = handle.layout.shapes[index]
-    first, last = handle.layout.held_rows(index)
+    first, last = handle.layout.held_slices(index)
     world = state_of(unit).world_size if handle.is_sharded else 1
     if isinstance(value, DTensor):
         if value.placements == (Shard(0),) and value.device_mesh.size() == world and value.to_local().shape[0] == last - first:

@@ -45,15 +45,15 @@ class FlatShardLayout(ParamLayout):
         unsharded[self.flat.numel :].zero_()
         return unsharded
 
-    def held_rows(self, index: int) -> Tuple[int, int]:
+    def held_slices(self, index: int) -> Tuple[int, int]:
         rows = shard_span(self.shapes[index][0], *self._row_rank_and_world)
         return rows.start, rows.end
 
-    def rows_of(self, shard_like: torch.Tensor, group: comm.ProcessGroup) -> List[torch.Tensor]:
+    def held_slices_of(self, shard_like: torch.Tensor, group: comm.ProcessGroup) -> List[torch.Tensor]:
         return self._row_redistribution(group).rows_of(shard_like)
 
-    def load_rows(self, rows: Sequence[Optional[torch.Tensor]], shard_like: torch.Tensor, group: comm.ProcessGroup) -> None:
-        for offset, piece in self._row_redistribution(group).pieces_for(rows, shard_like):
+    def load_held_slices(self, slices: Sequence[Optional[torch.Tensor]], shard_like: torch.Tensor, group: comm.ProcessGroup) -> None:
+        for offset, piece in self._row_redistribution(group).pieces_for(slices, shard_like):
             shard_like[offset : offset + piece.numel()].copy_(piece)
 
     @property
@@ -67,7 +67,7 @@ class FlatShardLayout(ParamLayout):
 
     def all_gather(self, unsharded: torch.Tensor, shard: torch.Tensor, group: comm.ProcessGroup, path: str,
                    extras: Optional[GatherExtras] = None) -> comm.Waitable:
-        assert extras is None, "all-gather extensions are fully_shard's, on the rows layout"
+        assert extras is None, "all-gather extensions are fully_shard's, on the chunk layout"
         alloc_storage(unsharded)
         return comm.all_gather_into(unsharded, shard, group, path)
 

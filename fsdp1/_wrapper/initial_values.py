@@ -1,6 +1,11 @@
 """The values a unit starts from: meta-device modules given real storage (``MetaInit``),
 ``sync_module_states`` (every rank takes the first rank's values), the check that ranks built the
 same values when they are not synced, and the move to the compute device.
+
+Ranks that built different values are warned about, not refused: torch's FSDP1 accepts them and
+scripts rely on it (workers seeded differently), so the check names the first differing parameter
+on every rank; ``FSDP1_REQUIRE_SAME_VALUES=1`` refuses instead. Shapes and dtypes that differ are
+refused always.
 """
 
 import os

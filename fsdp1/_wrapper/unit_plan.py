@@ -5,6 +5,9 @@ FlatParameter.
 
 Validation runs over the whole auto-wrap plan first, so bad input raises with the clean FQN of the
 offending parameter and leaves the user's module exactly as it was.
+
+A copy of a tied weight in each unit was rejected: each copy would get only its own modules'
+share of the gradient, and the copies would drift apart.
 """
 
 import dataclasses
@@ -28,7 +31,7 @@ from .._engine.traversal import (
 )
 from .._engine.views import FLATTENED
 from ..wrap import AutoWrapPolicy, apply_wrap, children_first, plan_auto_wrap
-from .mixed_precision import plan_full_precision_modules
+from .mixed_precision_argument import plan_full_precision_modules
 
 
 class IgnoredStates:

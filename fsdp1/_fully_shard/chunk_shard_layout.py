@@ -13,7 +13,7 @@ from .._engine.layout import GatherExtras, ParamLayout, alloc_storage
 from .._engine.shard_math import FlatLayout, ParamShardInfo, shard_span
 
 
-class RowShardLayout(ParamLayout):
+class ChunkShardLayout(ParamLayout):
     """FSDP2's layout: every parameter split along its shard dim as ``torch.chunk`` splits it
     (DTensor's ``Shard(dim)``; dim 0 unless ``shard_dims`` says otherwise), and this rank's shard the
     concatenation of its chunks, in flat order. A dim-0 chunk is padded to ``ceil(rows /
@@ -143,16 +143,16 @@ class RowShardLayout(ParamLayout):
             piece.copy_(part)
         return shard
 
-    def held_rows(self, index: int) -> Tuple[int, int]:
+    def held_slices(self, index: int) -> Tuple[int, int]:
         return self._held[index]
 
-    def rows_of(self, shard_like: torch.Tensor, group: comm.ProcessGroup) -> List[torch.Tensor]:
+    def held_slices_of(self, shard_like: torch.Tensor, group: comm.ProcessGroup) -> List[torch.Tensor]:
         return [view.clone() for view in self.local_views(shard_like)]
 
-    def load_rows(self, rows: Sequence[Optional[torch.Tensor]], shard_like: torch.Tensor, group: comm.ProcessGroup) -> None:
-        for view, row in zip(self.local_views(shard_like), rows):
-            if row is not None:
-                view.copy_(row.reshape(view.shape))
+    def load_held_slices(self, slices: Sequence[Optional[torch.Tensor]], shard_like: torch.Tensor, group: comm.ProcessGroup) -> None:
+        for view, held in zip(self.local_views(shard_like), slices):
+            if held is not None:
+                view.copy_(held.reshape(view.shape))
 
     def local_view(self, shard_like: torch.Tensor, index: int, start: int = 0) -> torch.Tensor:
         info, shape, dim = self.shard_infos[index], self.shapes[index], self.shard_dims[index]
@@ -165,7 +165,7 @@ class _CopiedOut:
     """An all-gather of the ranks' shards (by rank), copied out into the parameter-major buffer on
     ``wait()``."""
 
-    def __init__(self, work: comm.Waitable, layout: RowShardLayout, unsharded: torch.Tensor, shards: Dict[int, torch.Tensor]) -> None:
+    def __init__(self, work: comm.Waitable, layout: ChunkShardLayout, unsharded: torch.Tensor, shards: Dict[int, torch.Tensor]) -> None:
         self._work: Optional[comm.Waitable] = work
         self._layout, self._unsharded, self._shards = layout, unsharded, shards
 
@@ -179,11 +179,11 @@ class _CopiedOut:
 
 
 class _PackedCopiedOut:
-    """A packed all-gather (``RowShardLayout._all_gather_packed``), copied out on ``wait()``: each
+    """A packed all-gather (``ChunkShardLayout._all_gather_packed``), copied out on ``wait()``: each
     rank's chunks into the parameter-major buffer, each extra input's copies into its byte buffer;
     then the extras' ``finish``."""
 
-    def __init__(self, work: comm.Waitable, layout: RowShardLayout, unsharded: torch.Tensor, dtype: torch.dtype,
+    def __init__(self, work: comm.Waitable, layout: ChunkShardLayout, unsharded: torch.Tensor, dtype: torch.dtype,
                  rows: torch.Tensor, sizes: List[int], extras: GatherExtras) -> None:
         self._work: Optional[comm.Waitable] = work
         self._layout, self._unsharded, self._dtype = layout, unsharded, dtype
