@@ -152,6 +152,7 @@ class FlatParamHandle:
         if self._needs_unshard:
             self._free_unsharded()
         self._gather_work: Optional[comm.Waitable] = None
+        self._custom_all_gather: Optional[comm.UserAllGather] = None
         self._gather_input: Optional[torch.Tensor] = None  # the cast or copied shard a gather in flight reads
         self._rows_after_forward = rows_after_forward
         self._forward_views: List[torch.Tensor] = []  # the last forward's, tied to autograd
@@ -303,7 +304,7 @@ class FlatParamHandle:
             return
         source = self._local_shard.to(device=target.device, dtype=target.dtype, non_blocking=True)
         extras = self.views.gather_extras() if for_computing else None
-        self._gather_work = self.layout.all_gather(target, source, self.group, self.path, extras)
+        self._gather_work = self.layout.all_gather(target, source, self.group, self.path, extras, self._custom_all_gather)
         self._gather_input = None if source is self._local_shard else source
         self.state = HandleState.UNSHARDING
 
@@ -462,6 +463,27 @@ class FlatParamHandle:
             yield self.layout.unflatten(self._unsharded_buffer.detach())
         finally:
             self.reshard()
+
+    def full_grads(self) -> Optional[List[torch.Tensor]]:
+        """Every parameter's full averaged gradient (collective), or None when no rank holds a
+        gradient for this unit."""
+        shard = self.grad.shard_sized()
+        if shard is None:
+            return None
+        if not self.is_sharded:
+            return self.layout.unflatten(shard)
+        full = shard.new_empty(self.layout.unsharded_numel)
+        self.layout.all_gather(full, shard, self.group, self.path).wait()
+        return self.layout.unflatten(full)
+
+    def set_custom_collectives(self, all_gather: Optional[comm.UserAllGather] = None,
+                              reduce_scatter: Optional[comm.UserReduceScatter] = None) -> None:
+        """The user's all-gather for the unit's gathers and reduce-scatter for its reductions
+        (torch's ``set_custom_all_gather`` / ``set_custom_reduce_scatter``); None keeps the one set."""
+        if all_gather is not None:
+            self._custom_all_gather = all_gather
+        if reduce_scatter is not None:
+            self.grad.settings.user_reduce_scatter = reduce_scatter
 
     def adopt_replaced_flat_param(self) -> None:
         """A client replaced ``flat_param.data`` between steps (HF Accelerate upcasts the flat

@@ -100,11 +100,11 @@ class ParamLayout(ABC):
 
     @abstractmethod
     def all_gather(self, unsharded: torch.Tensor, shard: torch.Tensor, group: comm.ProcessGroup, path: str,
-                   extras: Optional[GatherExtras] = None) -> comm.Waitable:
+                   extras: Optional[GatherExtras] = None, custom: Optional[comm.UserAllGather] = None) -> comm.Waitable:
         """Start filling ``unsharded`` from every rank's ``shard`` (and, with ``extras``, gathering
-        those in the same collective); the parameters' views of it are valid once the returned work
-        is waited for. ``unsharded``'s storage may be freed: the layout allocates it when it first
-        writes there."""
+        those in the same collective; with ``custom``, through the user's all-gather); the
+        parameters' views of it are valid once the returned work is waited for. ``unsharded``'s
+        storage may be freed: the layout allocates it when it first writes there."""
 
     @abstractmethod
     def reduce_input(self, unsharded_grad: torch.Tensor, skipped: FrozenSet[int] = frozenset()) -> torch.Tensor:

@@ -6,7 +6,7 @@ full values through its handle's gather (``FlatParamHandle.gathered_views``).
 """
 
 import contextlib
-from typing import Iterator, List, Optional
+from typing import Iterator, List
 
 import torch
 from torch import nn
@@ -93,7 +93,7 @@ def _full_params(handle: FlatParamHandle, writeback: bool, expose: bool, offload
     gradient (None where no rank has one).
     """
     with handle.gathered_views() as views:
-        grads = _gathered_grads(handle) if with_grads else None
+        grads = handle.full_grads() if with_grads else None
         if not expose:
             handle.reshard()
             yield
@@ -120,19 +120,6 @@ def _full_params(handle: FlatParamHandle, writeback: bool, expose: bool, offload
                 handle.views.hide_full(handle.flat_param, handle.local_shard, handle.layout)
                 if grads is not None:  # the originals showed full gradients: back to views of the sharded one
                     handle.grad.reshow()
-
-
-def _gathered_grads(handle: FlatParamHandle) -> Optional[List[torch.Tensor]]:
-    """The full averaged gradient of every parameter (collective), or None when no rank holds a
-    gradient for this unit."""
-    shard = handle.grad.shard_sized()
-    if shard is None:
-        return None
-    if not handle.is_sharded:
-        return handle.layout.unflatten(shard)
-    full = shard.new_empty(handle.layout.unsharded_numel)
-    handle.layout.all_gather(full, shard, handle.group, handle.path).wait()
-    return handle.layout.unflatten(full)
 
 
 def _check_full_shapes(handle: FlatParamHandle, views: List[torch.Tensor], exposed: List[nn.Parameter]) -> None:

@@ -52,7 +52,6 @@ class ChunkShardLayout(ParamLayout):
         self.unsharded_numel = shard_offset * world_size
         self.flat = FlatLayout(tuple(offsets), tuple(shape.numel() for shape in self.shapes), self.unsharded_numel)
         self._split_along_rows = all(dim == 0 for dim in self.shard_dims)
-        self.user_all_gather: Optional[comm.UserAllGather] = None  # set_custom_all_gather's, which allocates and gathers
         self._plan_split()
 
     def new_unsharded(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -81,14 +80,14 @@ class ChunkShardLayout(ParamLayout):
                 self.local_view(shard, index).copy_(self.held_part(index, value))
 
     def all_gather(self, unsharded: torch.Tensor, shard: torch.Tensor, group: comm.ProcessGroup, path: str,
-                   extras: Optional[GatherExtras] = None) -> comm.Waitable:
+                   extras: Optional[GatherExtras] = None, custom: Optional[comm.UserAllGather] = None) -> comm.Waitable:
         if extras is not None:
-            return self._all_gather_packed(unsharded, shard, group, path, extras)
+            return self._all_gather_packed(unsharded, shard, group, path, extras, custom)
         if self.world_size == 1:  # one rank: its shard is the buffer
             alloc_storage(unsharded)
             return comm.all_gather_into(unsharded, shard, group, path)
-        if self.user_all_gather is not None:
-            gathered, work = comm.user_all_gather(self.user_all_gather, shard, group, path)
+        if custom is not None:
+            gathered, work = comm.user_all_gather(custom, shard, group, path)
             return _CopiedOut(work, self, unsharded, dict(enumerate(gathered.view(self.world_size, self.shard_numel).unbind())))
         if comm.is_gloo_pair(group):  # only the peer's shard travels; each is copied out once
             peer = shard.new_empty(self.shard_numel)
@@ -98,7 +97,7 @@ class ChunkShardLayout(ParamLayout):
                           dict(enumerate(gathered.unbind())))
 
     def _all_gather_packed(self, unsharded: torch.Tensor, shard: torch.Tensor, group: comm.ProcessGroup, path: str,
-                           extras: GatherExtras) -> comm.Waitable:
+                           extras: GatherExtras, custom: Optional[comm.UserAllGather]) -> comm.Waitable:
         """One gather, in bytes, of this rank's chunks but the skipped ones and of the extra inputs,
         as torch's FSDP2 packs a group's all-gather inputs of several dtypes into one."""
         pieces = [piece for index, piece in enumerate(torch.split(shard, list(self.chunk_numels))) if index not in extras.skipped]
@@ -107,8 +106,8 @@ class ChunkShardLayout(ParamLayout):
         packed = torch.cat([tensor.contiguous().view(-1).view(torch.uint8) for tensor in (*pieces, *extras.inputs)]
                            + [shard.new_zeros(padding, dtype=torch.uint8)])
         work: comm.Waitable
-        if self.user_all_gather is not None:
-            gathered, work = comm.user_all_gather(self.user_all_gather, packed, group, path)
+        if custom is not None:
+            gathered, work = comm.user_all_gather(custom, packed, group, path)
         else:
             gathered = packed.new_empty(packed.numel() * self.world_size)
             work = comm.all_gather_into(gathered, packed, group, path)

@@ -67,8 +67,7 @@ class ExtensionGather:
     def computing(self, view: torch.Tensor) -> torch.Tensor:
         """The unsharded tensor the module computes on, gathered if it is not; ``view`` (the
         parameter's place in the gathered buffer) takes its gradient."""
-        if not self._is_gathered:
-            self._gather()
+        assert self._is_gathered, "the unit's gather for computing carries every extension's tensors"
         if self._made is not None and self._made[0] is view:
             return self._made[1]
         assert self._unsharded is not None, "gathered just above"
@@ -119,13 +118,6 @@ class ExtensionGather:
         else:
             post(gathered, self._metadata, dtype, out=self._unsharded)
         self._is_gathered = True
-
-    def _gather(self) -> None:
-        """A gather of this parameter alone (one the unit's gather did not carry)."""
-        inputs = self.prepare()
-        for output, tensor in zip(self._outputs, inputs):
-            comm.all_gather_into(output, tensor.contiguous().view(-1).view(torch.uint8), self._group).wait()
-        self.finish()
 
     def _pre_all_gather(self) -> Tuple[Tuple[torch.Tensor, ...], Any]:
         """torch's two signatures: the mesh alone, or the mesh, the size, the stride, the module and

@@ -16,7 +16,6 @@ from .._engine.common import TrainingState
 from .._engine.handle import RESTING
 from .._engine.unit_state import UnitState, gradients_unsynchronised, state_of
 from .._engine.unshard import summon_full_params
-from .chunk_shard_layout import ChunkShardLayout
 
 
 class UnshardHandle:
@@ -181,14 +180,13 @@ class FSDPModule(nn.Module):
         if not state.root_state.is_clean():
             state.root_state.recover()
 
-    # ----------------------------------------------------------------------------- not supported yet
+    # ----------------------------------------------------------------------------- the unit's collectives
     def set_custom_all_gather(self, comm: Any) -> None:
         """This module's parameters are gathered by ``comm`` (torch's ``AllGather``): it allocates the
         output and gathers each rank's flat shard into it, as under torch's FSDP2."""
         handle = _state(self).handle
         if handle is not None:
-            assert isinstance(handle.layout, ChunkShardLayout), "fully_shard's layout"
-            handle.layout.user_all_gather = comm
+            handle.set_custom_collectives(all_gather=comm)
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
         """This module's gradients are reduce-scattered by ``comm`` (torch's ``ReduceScatter``): it
@@ -196,8 +194,9 @@ class FSDPModule(nn.Module):
         passes ``AVG`` where it takes the mean in the collective)."""
         handle = _state(self).handle
         if handle is not None:
-            handle.grad.settings.user_reduce_scatter = comm
+            handle.set_custom_collectives(reduce_scatter=comm)
 
+    # ----------------------------------------------------------------------------- not supported yet
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         raise NotImplementedError("fsdp1: set_allocate_memory_from_process_group_for_comm (NCCL buffers) is not supported yet.")
 

@@ -66,8 +66,8 @@ class FlatShardLayout(ParamLayout):
         return RowRedistribution(self.flat.offsets, self.shapes, self.flat.numel, *self._row_rank_and_world, group)
 
     def all_gather(self, unsharded: torch.Tensor, shard: torch.Tensor, group: comm.ProcessGroup, path: str,
-                   extras: Optional[GatherExtras] = None) -> comm.Waitable:
-        assert extras is None, "all-gather extensions are fully_shard's, on the chunk layout"
+                   extras: Optional[GatherExtras] = None, custom: Optional[comm.UserAllGather] = None) -> comm.Waitable:
+        assert extras is None and custom is None, "all-gather extensions and custom all-gathers are fully_shard's"
         alloc_storage(unsharded)
         return comm.all_gather_into(unsharded, shard, group, path)
 
