@@ -2,22 +2,5 @@
 ``torch.distributed.algorithms._comm_hooks.default_hooks``); they belong to the FSDP1 front, which
 alone registers comm hooks."""
 
-from ._wrapper.comm_hooks import (
-    LOW_PRECISION_HOOKS,
-    DefaultState,
-    LowPrecisionState,
-    allreduce_hook,
-    bf16_compress_hook,
-    fp16_compress_hook,
-    reduce_scatter_hook,
-)
-
-__all__ = [
-    "DefaultState",
-    "LowPrecisionState",
-    "allreduce_hook",
-    "reduce_scatter_hook",
-    "fp16_compress_hook",
-    "bf16_compress_hook",
-    "LOW_PRECISION_HOOKS",
-]
+from ._wrapper.comm_hooks import *  # noqa: F403 - the hooks and their states, by torch's names
+from ._wrapper.comm_hooks import __all__  # noqa: F401 - this module's names are the front's

@@ -38,27 +38,23 @@ class UnitHandleBuilder:
         the default init get their storage in the flat buffer itself, so that their unit is never held
         twice."""
         module, meta_init = self._module, self._meta_init
-        if meta_init.is_needed and not meta_init.is_in_place:
+        in_place = meta_init.is_in_place  # meta parameters get their storage in the flat buffer itself
+        if meta_init.is_needed and not in_place:
             meta_init.run_param_init_fn()
         slots = unit_param_slots(module, use_orig_params, self._ignored, params_of_outer_units)
 
         def initialize(slots: Sequence[ParamSlot]) -> None:
-            if meta_init.is_in_place:
+            if in_place:
                 meta_init.reset_in_place()
             if sync_module_states:
                 sync_states_from_first(module, slots, self._ignored, groups)
 
-        if meta_init.is_in_place:
-            compute_device = meta_init.device
-        else:
-            compute_device = resolve_compute_device(module, self._device_id, self._ignored.params)
+        compute_device = meta_init.device if in_place else resolve_compute_device(module, self._device_id, self._ignored.params)
         if self._device_id is not None:
             move_to_compute_device(module, compute_device, self._ignored)
-        if not meta_init.is_in_place:
+        if not slots or not in_place:  # in place with parameters: the handle initialises them in its buffer
             initialize(slots)  # on the compute device: NCCL broadcasts no CPU tensor
         if not slots:
-            if meta_init.is_in_place:
-                initialize(slots)
             return None, compute_device
         views = OrigParamViews(slots, module) if use_orig_params else FlatParamViews(slots, module)
         precision = HandlePrecision.of(mixed_precision, slots[0].live_param.dtype)
@@ -66,6 +62,6 @@ class UnitHandleBuilder:
                                  comm.group_size(groups.shard), is_sharded)
         handle = FlatParamHandle(
             views, layout, groups, precision, offload_params,
-            materialize_in_place=initialize if meta_init.is_in_place else None, device=compute_device,
+            materialize_in_place=initialize if in_place else None, device=compute_device,
         )
         return handle, compute_device
