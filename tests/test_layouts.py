@@ -1,5 +1,5 @@
 """Tests the layout contract: every kind of ``ParamLayout`` (FSDP1's flat shard, aligned or not,
-sharded or not; ``fully_shard``'s rows) keeps the same promises on 2 real ranks, for parameters
+sharded or not; ``fully_shard``'s chunks along dim 0 or others) keeps the same promises on 2 real ranks, for parameters
 of odd sizes, a zero-size dimension and a single row. Full values go into the shard and come back
 through the gather; the gather fills each parameter's full value; the reduction's input, reduce-
 scattered, leaves each rank its part of the summed gradient; and each parameter's dim-0 rows of
@@ -22,8 +22,8 @@ LAYOUTS = {
     "flat": lambda rank, world: FlatShardLayout(SHAPES, 0, rank, world, is_sharded=True),
     "flat_aligned": lambda rank, world: FlatShardLayout(SHAPES, 4, rank, world, is_sharded=True),
     "flat_unsharded": lambda rank, world: FlatShardLayout(SHAPES, 0, rank, world, is_sharded=False),
-    "rows": lambda rank, world: ChunkShardLayout(SHAPES, rank, world),
-    "rows_other_dims": lambda rank, world: ChunkShardLayout(SHAPES, rank, world, shard_dims=(0, 0, 2, 1, 0, 2)),
+    "chunks": lambda rank, world: ChunkShardLayout(SHAPES, rank, world),
+    "chunks_other_dims": lambda rank, world: ChunkShardLayout(SHAPES, rank, world, shard_dims=(0, 0, 2, 1, 0, 2)),
 }
 
 

@@ -1,7 +1,7 @@
 """Where a unit's parameters lie: in the unsharded buffer a gather fills, and in each rank's shard.
 
-A layout answers the four questions the handle's collectives, its views and the state dicts ask, and
-nothing else:
+A layout answers four questions that the handle's collectives, its views and the state dicts ask
+(its other members are sizes and helpers built on the answers):
 
 * what an all-gather of the ranks' shards fills: the unsharded buffer, of which every parameter is
   a view in its own shape (``unflatten``), and how the gather is issued (``all_gather``);
@@ -51,6 +51,17 @@ class ParamLayout(ABC):
     ``unsharded_numel`` is the size of the buffer a gather fills and of the gradient a reduction
     reads (padding included); ``shard_numel`` the size of each rank's shard, and of every tensor
     laid out as it (the sharded gradient, optimizer state).
+
+    A subclass's ``__init__`` sets every field below and ends with ``_plan_split()``. Its answers
+    keep these invariants: sharded, ``unsharded_numel == world_size * shard_numel`` (the reduction's
+    output is one shard); ``reduce_input`` orders the gradient rank-major, rank ``r``'s part being
+    what lands in its shard; ``shard_infos[i]`` gives where parameter ``i``'s elements lie in the
+    shard and, as ``intra_param_start``, which element of the flattened parameter comes first;
+    ``local_view`` returns the shape the original parameter shows at rest (flat where the shard
+    holds a run of elements, the held slices' shape where it holds whole slices). The defaults
+    (``shard_of``, ``shard_of_values``) assume one contiguous run per parameter; a layout that cuts
+    otherwise overrides them. ``extras`` and ``custom`` of ``all_gather``, and reducing by parameter,
+    are ``fully_shard``'s; ``is_sharded`` False (NO_SHARD) and ``unpadded_numel`` are FSDP1's.
     """
 
     shapes: Tuple[torch.Size, ...]
@@ -91,7 +102,8 @@ class ParamLayout(ABC):
 
     @property
     def shard_padding_numel(self) -> int:
-        """Elements of this rank's shard that belong to no parameter."""
+        """Elements of this rank's shard that belong to no parameter; where the padding is all at the
+        shard's end (FSDP1's layout), what a LOCAL state dict cuts off (torch's ``_shard_numel_padded``)."""
         return self.shard_numel - sum(info.numel_in_shard for info in self.shard_infos)
 
     def unflatten(self, unsharded: torch.Tensor) -> List[torch.Tensor]:
