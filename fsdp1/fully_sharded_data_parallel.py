@@ -1,11 +1,24 @@
-"""torch's path of the FSDP1 module, ``torch.distributed.fsdp.fully_sharded_data_parallel``.
+"""torch's path of the FSDP1 module, ``torch.distributed.fsdp.fully_sharded_data_parallel``: the class
+the FSDP1 front (``_wrapper``) defines, and the names torch's module offers too (the configuration,
+``FlatParameter``), so that an import from torch's path ports by swapping the prefix."""
 
-The class lives in the FSDP1 front (``_wrapper``); it reports this module as its home so that its
-name in reprs, pickles and ``type(module).__module__`` is the public one, wherever the front keeps it.
-"""
-
+from ._engine.flat_parameter import FlatParameter  # noqa: F401 - importable from here, as from torch's module
 from ._wrapper.fully_sharded_data_parallel import FullyShardedDataParallel, OptimStateKeyType
+from .api import (  # noqa: F401 - importable from here, as from torch's module
+    BackwardPrefetch,
+    CPUOffload,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
+    MixedPrecision,
+    OptimStateDictConfig,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    ShardingStrategy,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
 
 __all__ = ["FullyShardedDataParallel", "OptimStateKeyType"]
-
-FullyShardedDataParallel.__module__ = OptimStateKeyType.__module__ = __name__

@@ -25,6 +25,29 @@ def test_every_name_of_torch_is_exported():
     assert hasattr(fsdp1, "use_as_torch_fsdp")
 
 
+def test_the_modules_at_torchs_paths_offer_torchs_public_names():
+    """An import from torch's module path ports by swapping the prefix: every public class of
+    torch's ``fully_sharded_data_parallel`` module that fsdp1 offers at the top imports from fsdp1's
+    module of that path too, and the comm hooks keep their names and their home there."""
+    import torch.distributed.fsdp.fully_sharded_data_parallel as torch_module
+
+    import fsdp1.comm_hooks
+    import fsdp1.fully_sharded_data_parallel as our_module
+
+    offered = {name for name, value in vars(torch_module).items()
+               if inspect.isclass(value) and not name.startswith("_") and hasattr(fsdp1, name)}
+    assert len(offered) >= 16
+    assert sorted(name for name in offered if not hasattr(our_module, name)) == []
+    assert fsdp1.comm_hooks.DefaultState.__module__ == "fsdp1.comm_hooks"
+    assert callable(fsdp1.comm_hooks.is_low_precision_hook)
+
+
+def test_the_classes_source_is_found_as_torchs_is():
+    """IPython's ``??`` and Sphinx read a class's source through its ``__module__``."""
+    for cls in (fsdp1.FullyShardedDataParallel, fsdp1.OptimStateKeyType, fsdp1.FSDPModule):
+        assert f"class {cls.__name__}" in inspect.getsource(cls)
+
+
 def _normalised_default(value):
     return value.name if isinstance(value, Enum) else value
 

@@ -129,7 +129,7 @@ def _assert_trains_as_torch_fsdp1(use_orig_params, activation_checkpointing):
     plain_keys = list(make_gpt().state_dict())
     for (steps, accumulated, state, units, checkpointed), (their_steps, their_accumulated, their_state, _,
                                                           their_checkpointed) in zip(ours, theirs):
-        assert units == ["fsdp1.fully_sharded_data_parallel"] * 3
+        assert units == ["fsdp1._wrapper.fully_sharded_data_parallel"] * 3
         assert checkpointed == their_checkpointed == (2 if activation_checkpointing else 0)
         assert steps == their_steps
         assert accumulated == their_accumulated

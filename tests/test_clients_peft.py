@@ -116,7 +116,7 @@ def test_lora_trains_as_on_torch_fsdp1_and_ddp_and_leaves_the_base_frozen():
     for (losses, state, units, initial), (their_losses, their_state, their_units, _), (ddp_losses, ddp_state) in zip(
             ours, theirs, ddp):
         # A unit per GPT-2 block and per LoRA matrix (2 + 8), and the root.
-        assert units == ["fsdp1.fully_sharded_data_parallel"] * 11
+        assert units == ["fsdp1._wrapper.fully_sharded_data_parallel"] * 11
         assert len(their_units) == 11
         assert losses == their_losses
         assert list(state) == list(their_state) == list(initial)

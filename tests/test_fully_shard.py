@@ -359,6 +359,23 @@ def test_set_gradient_divide_factor_acts_on_the_modules_own_group_only_as_torchs
     assert same_tensors(ours, theirs)
 
 
+def _zero_divide_factor(impl):
+    """The error a divide factor of zero gets: torch's at its reduction, fsdp1's when it is set."""
+    model = nn.Linear(4, 4)
+    fully_shard_of(impl)(model)
+    try:
+        model.set_gradient_divide_factor(0.0)
+        model(torch.randn(2, 4)).sum().backward()
+    except ZeroDivisionError as error:
+        return str(error)
+    return None
+
+
+def test_a_divide_factor_of_zero_raises_torchs_error_when_it_is_set():
+    ours, theirs = run_both(_zero_divide_factor)
+    assert theirs is not None and ours is not None and "pass the number of ranks" in ours
+
+
 def _all_reduce_hook(impl, device_type):
     """A hook on the module's reduced gradient shard that doubles it, on a stream of the device's
     own where it has streams: the gradients, the calls and the stream current during each call."""

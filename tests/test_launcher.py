@@ -105,7 +105,7 @@ def test_a_module_runs_as_python_dash_m_runs_it(tmp_path):
     run = subprocess.run([sys.executable, "-m", "fsdp1.run", "-m", "which_fsdp", "--lr", "3"], cwd=tmp_path,
                          env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.split()[:2] == ["fsdp1.fully_sharded_data_parallel", "fsdp1._fully_shard.fully_shard"]
+    assert run.stdout.split()[:2] == ["fsdp1._wrapper.fully_sharded_data_parallel", "fsdp1._fully_shard.fully_shard"]
     assert "'--lr', '3']" in run.stdout and run.stdout.rstrip().endswith("__main__")
     run = subprocess.run([sys.executable, "-m", "fsdp1.run", "app"], cwd=tmp_path, env=env, capture_output=True,
                          text=True, timeout=120)

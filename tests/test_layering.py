@@ -13,20 +13,21 @@ ENGINE, STATE_DICTS, WRAPPER_FRONT, FULLY_SHARD_FRONT = "_engine", "_state_dict"
 
 # What each module may import besides its own package: the four packages, then every public module
 # (one at the top of ``fsdp1``). A package may import no public module but the configuration data of
-# ``api`` and the wrap policies' planner of ``wrap``; a module at torch's path re-exports what one
-# package builds; only the package's assembly (``__init__``, the alias of torch's modules) and the
-# launcher see more.
+# ``api``, and the FSDP1 front the wrap policies' planner of ``wrap`` and the comm hooks it registers;
+# the FSDP1 class's module at torch's path re-exports the front's class, ``FlatParameter`` and ``api``'s
+# names; only the package's assembly (``__init__``, the alias of torch's modules) and the launcher see
+# more.
 ALLOWED = {
     ENGINE: {"api"},
     STATE_DICTS: {ENGINE, "api"},
-    WRAPPER_FRONT: {ENGINE, STATE_DICTS, "api", "wrap"},
+    WRAPPER_FRONT: {ENGINE, STATE_DICTS, "api", "wrap", "comm_hooks"},
     FULLY_SHARD_FRONT: {ENGINE, STATE_DICTS, "api"},
     "_children": set(),  # the launcher's start-up hook for the processes a script starts: imports fsdp1 whole, as a user would
     "api": set(),
     "wrap": set(),
     "_torch_version": set(),
-    "fully_sharded_data_parallel": {WRAPPER_FRONT},
-    "comm_hooks": {WRAPPER_FRONT},
+    "fully_sharded_data_parallel": {WRAPPER_FRONT, ENGINE, "api"},
+    "comm_hooks": {ENGINE},
     "sharded_grad_scaler": {ENGINE},
     "checkpoint": {ENGINE},
     "run": {"_children", "_torch_alias"},

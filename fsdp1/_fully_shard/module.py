@@ -104,6 +104,11 @@ class FSDPModule(nn.Module):
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide this module's summed gradient by ``factor`` instead of averaging over the ranks (any
         backend); not its sharded submodules', as torch's."""
+        if factor == 0:
+            raise ZeroDivisionError(  # torch's type, raised at its next reduction
+                "fsdp1: set_gradient_divide_factor(0) would divide every gradient by zero; pass the number of "
+                "ranks to average over, or 1.0 to keep the sum."
+            )
         handle = _state(self).handle
         if handle is not None:
             handle.grad.settings.divide_factor = factor

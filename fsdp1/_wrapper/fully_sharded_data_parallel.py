@@ -41,9 +41,9 @@ from ..api import (
     coerce_config,
     coerce_enum,
 )
+from ..comm_hooks import is_low_precision_hook
 from ..wrap import AutoWrapPolicy
 from . import clip_grad as _clip_grad
-from .comm_hooks import is_low_precision_hook
 from .initial_values import check_param_init_fn, check_same_values
 from .mixed_precision_argument import checked_precision
 from .optim_state_dict_api import OptimStateDictAPI, OptimStateKeyType
