@@ -14,13 +14,9 @@ backend's threads (gloo) or stream (NCCL) while the current unit computes. ``Exe
 which unit is next: backward runs units in the reverse of the order their forwards finished, and
 forward (with ``forward_prefetch``) repeats the first iteration's order.
 
-Prefetching reaches one unit ahead at most, so ``limit_all_gathers`` has nothing left to limit. A
-reduction in flight holds its unit's unsharded gradient, so under a sharded strategy it is finished
-when the next unit's backward starts or before the next unsharded gradient is assembled, whichever
-comes first: it overlaps the reshard and the next all-gather, and the peak equals that of torch's
-synchronous reduce-scatter (waiting later was within noise in speed and cost one unsharded gradient).
-The first iteration's unit order is compared across ranks in its final callback: ranks running
-units in different orders would pair different units' shards in every all-gather.
+Prefetching reaches one unit ahead at most, so ``limit_all_gathers`` has nothing left to limit.
+When reductions finish is ``RootState``'s to say; finishing them later still was within noise in
+speed and cost one unsharded gradient of peak.
 """
 
 import functools
