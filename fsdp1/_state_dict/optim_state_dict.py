@@ -211,7 +211,7 @@ class _Given(Enum):
     """The form of the optimizer state a load is given."""
 
     FULL = auto()  # every rank holds every parameter's full state
-    ON_RANK0 = auto()  # only rank 0 does (rank0_only): it checks, describes and scatters each unit's
+    ON_RANK0 = auto()  # only rank 0 does (rank0_only): it checks, describes and scatters each unit's state
     SHARDED = auto()  # each rank holds its DTensor slices, as a SHARDED save wrote them
 
 
