@@ -21,7 +21,9 @@ import fsdp1
 from _harness import run_on_ranks
 from _models import Block as GPTBlock
 from _models import (
+    batch,
     fsdp1_full_params,
+    lm_loss,
     make_gpt,
     max_relative_error,
     plain_params,
@@ -30,12 +32,13 @@ from _models import (
     torchs_fully_shard,
     train,
     wrap_fsdp1,
+    wrap_torch_fsdp,
 )
-from tools.live_memory import LiveStorageTracker
+from fsdp1._planner.live_memory import LiveStorageTracker
 from tools.memory_estimator import fake_process_group
 
 D, HIDDEN, LAYERS = 12, 53, 3
-FORMS = ["inside", "inside_reentrant", "apply_activation_checkpointing", "around_unit", "none"]
+FORMS = ["inside", "inside_reentrant", "apply_activation_checkpointing", "whole_block", "around_unit", "none"]
 
 
 class Block(nn.Module):
@@ -80,6 +83,8 @@ def _with_checkpointing(model: nn.Module, form: str) -> nn.Module:
             (block.module if hasattr(block, "module") else block).checkpoint_inside = form == "inside_reentrant"
     elif form == "apply_activation_checkpointing":
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, nn.Sequential))
+    elif form == "whole_block":  # the usual call: each unit's whole module, recomputed inside the unit
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
     elif form == "around_unit":
         net.checkpoint_units = True
     return model
@@ -138,6 +143,27 @@ def test_checkpointing_lowers_peak_memory(use_orig_params):
     peaks = {form: peak_bytes(form, use_orig_params) for form in FORMS}
     for form in FORMS[:-1]:
         assert peaks[form] < peaks["none"], peaks
+
+
+@pytest.mark.parametrize("api", ["FullyShardedDataParallel", "fully_shard"])
+def test_checkpointing_whole_blocks_holds_no_more_than_torch(api):
+    """Each block's whole module checkpointed after wrapping: its recomputation in backward reruns
+    the unit's hooks, which must leave the unit as the backward has it. Counting that forward held
+    every block's unsharded parameters and gradient to the end of backward (peaks 6-10% above torch's
+    here, 47% on a small Llama); now each is freed as its backward ends, as torch's are."""
+    peaks = {}
+    for shard in ("fsdp1", "torch"):
+        with fake_process_group(2), LiveStorageTracker() as tracker:
+            if api == "fully_shard":
+                model = shard_gpt(make_gpt(), fsdp1.fully_shard if shard == "fsdp1" else torchs_fully_shard())
+            else:
+                model = (wrap_fsdp1 if shard == "fsdp1" else wrap_torch_fsdp)(make_gpt())
+            apply_activation_checkpointing(model, check_fn=lambda module: isinstance(module, GPTBlock))
+            inputs, targets = batch(0, 0, 2)
+            tracker.reset_peak()
+            lm_loss(model, inputs, targets).backward()
+            peaks[shard] = tracker.peak
+    assert peaks["fsdp1"] <= peaks["torch"], peaks
 
 
 # ------------------------------------------------------------------- fully_shard: checkpointing and torch.compile

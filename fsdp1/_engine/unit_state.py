@@ -254,6 +254,8 @@ class UnitState:
                     "fsdp1: forward was called inside summon_full_params(), which FSDP does not support. "
                     "Run the forward after leaving the context."
                 )
+            if self._recomputing():
+                return self.cast_inputs(args, kwargs)
             state = self.root_state
             if self.is_root:
                 state.start_iteration()
@@ -307,6 +309,8 @@ class UnitState:
         computes on a low-precision copy reshards too: a cast remakes the copy for backward (torch's
         frees it too)."""
         with record_function("FSDP::post_forward"):
+            if self._recomputing():
+                return self.cast_output(output)
             handle = self.handle
             if handle is not None:
                 self.root_state.order.record_post_forward(self)
@@ -336,6 +340,16 @@ class UnitState:
     def cast_output(self, output: Any) -> Any:
         """fully_shard's ``MixedPrecisionPolicy.output_dtype``."""
         return output if self.output_dtype is None else cast_floating_tensors(self.output_dtype, output)
+
+    def _recomputing(self) -> bool:
+        """A forward of the unit inside the backward that gathered it: activation checkpointing of the
+        hooked module (``apply_activation_checkpointing`` after wrapping, or ``checkpoint`` around a
+        ``fully_shard`` block) recomputing it. It computes on what that backward gathered and the
+        views the forward made, and leaves the unit as it is: a forward counted there would wait for a
+        gradient that never comes (the recomputed graph is not differentiated), holding every unit's
+        unsharded parameters and gradient until the end of backward. torch's FSDP1 hooks the wrapper,
+        which such a checkpoint never calls; fsdp1 hooks the module, so that direct calls gather."""
+        return self.training_state is TrainingState.FORWARD_BACKWARD and self._backward_graph_task == current_graph_task() != -1
 
     def _reshards_after_forward(self) -> bool:
         return not torch.is_grad_enabled() or self.schedule.reshards_after_forward(bool(self.is_root))
