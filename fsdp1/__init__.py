@@ -31,6 +31,7 @@ from .api import (
     StateDictType,
 )
 from .fully_sharded_data_parallel import FullyShardedDataParallel, OptimStateKeyType
+from .plan import plan  # noqa: F401 - fsdp1's own, so not in torch's __all__ (and fsdp1.plan the package stays importable)
 
 warn_if_untested()
 

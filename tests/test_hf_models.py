@@ -28,7 +28,7 @@ from _models import (
     wrap_fsdp1,
     wrap_torch_fsdp,
 )
-from tools.live_memory import LiveStorageTracker
+from fsdp1._planner.live_memory import LiveStorageTracker
 
 transformers = pytest.importorskip("transformers")
 

@@ -31,9 +31,11 @@ ALLOWED = {
     "sharded_grad_scaler": {ENGINE},
     "checkpoint": {ENGINE},
     "run": {"_children", "_torch_alias"},
+    "_planner": {WRAPPER_FRONT, FULLY_SHARD_FRONT, "api", "wrap"},  # applies what it plans, with either front
+    "plan": {"_planner"},
     "_torch_alias": {FULLY_SHARD_FRONT, "api", "fully_sharded_data_parallel", "sharded_grad_scaler"},
     "__init__": {ENGINE, FULLY_SHARD_FRONT, "_torch_alias", "_torch_version", "api", "comm_hooks",
-                 "fully_sharded_data_parallel", "sharded_grad_scaler", "wrap"},
+                 "fully_sharded_data_parallel", "plan", "sharded_grad_scaler", "wrap"},
 }
 
 

@@ -87,7 +87,7 @@ def _state_dict_memory(implementation, kind, rank, world_size):
     returned dict; plus the largest unit's unsharded bytes."""
     import fsdp1
 
-    from tools.live_memory import LiveStorageTracker
+    from fsdp1._planner.live_memory import LiveStorageTracker
     from tools.workload import Block
 
     with fake_process_group(world_size, rank=rank), LiveStorageTracker() as tracker:
@@ -133,7 +133,7 @@ def test_loading_a_full_optimizer_state_dict_holds_nothing_beyond_the_result(use
     # torch's FSDP1 holds more (pytorch#110479): 4.5 MiB beyond the result on the benchmark model, 2 ranks
     import fsdp1
 
-    from tools.live_memory import LiveStorageTracker
+    from fsdp1._planner.live_memory import LiveStorageTracker
     from tools.workload import Block
 
     with fake_process_group(2, rank=1), LiveStorageTracker() as tracker:

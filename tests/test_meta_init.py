@@ -41,7 +41,7 @@ from _models import (
     train_each,
     wrap_fsdp1,
 )
-from tools.live_memory import LiveStorageTracker
+from fsdp1._planner.live_memory import LiveStorageTracker
 from tools.memory_estimator import fake_process_group
 
 FSDP = fsdp1.FullyShardedDataParallel

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tools.live_memory import LiveStorageTracker
+from fsdp1._planner.live_memory import LiveStorageTracker
 from tools.workload import VARIANTS, GPTSize, Wrapper, forward_backward, make_optimizer, state_bytes
 
 META = torch.device("meta")

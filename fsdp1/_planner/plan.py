@@ -1,0 +1,255 @@
+"""``plan()``: the question "will it fit on N devices of M GiB, and with which settings?" answered
+by dry runs (``dry_run``), a pruned search (``search``) and a calibrated cost model (``cost``), and
+``Plan``, the answer: applicable to a real model, printable as code and as a table of what was
+measured.
+
+The budget a plan must fit is the device memory less ``headroom`` (10% by default): the peak counted
+is tensor storage, and a real device also holds the allocator's cache and fragments, the CUDA
+context and the collectives' buffers. When nothing fits, ``NoPlanFits`` names the smallest peak any
+candidate reached, and dry runs of the same settings find how many ranks, or what batch, would fit.
+"""
+
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
+
+import torch
+from torch import nn
+
+from .cost import Calibration, OptimizerKind, reference_seconds
+from .dry_run import META, DryRun, Workload, fake_process_group, first_dim
+from .search import Candidate, Search, Shape
+from .settings import APIS, FSDP1, Settings, apply, blocks_of, code, find_blocks, settings_dict
+
+GIB = 2**30
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+class NoPlanFits(ValueError):
+    """No candidate fits the budget; ``smallest`` is the candidate with the lowest peak."""
+
+    def __init__(self, message: str, smallest: Candidate) -> None:
+        super().__init__(message)
+        self.smallest = smallest
+
+
+@dataclass
+class Plan:
+    """The settings chosen, what they are predicted to hold and cost, and every candidate measured.
+
+    ``peak``: bytes of tensor storage per device at the step's busiest moment; ``host``: bytes per
+    rank kept in host memory by CPU offload; ``step_ratio``: the predicted step time over the model's
+    bare compute (forward and backward, no recomputation, full precision) on the probed machine."""
+
+    settings: Settings
+    peak: int
+    host: int
+    step_ratio: float
+    device_memory: int
+    usable: int
+    world_size: int
+    mesh_shape: Optional[Tuple[int, int]]
+    device_type: str
+    block_classes: Tuple[Type[nn.Module], ...]
+    num_blocks: int
+    calibration: Calibration
+    candidates: List[Candidate] = field(repr=False)
+    reference: float = field(repr=False)
+    seconds: float = 0.0
+
+    def apply(self, model: nn.Module, mesh: Optional[Any] = None, **fsdp_kwargs: Any) -> nn.Module:
+        """Shard ``model`` (built as the planned one was, on any device) as planned and return it.
+        ``mesh``: for a hybrid plan, the (replicas, shard) device mesh (made when not given);
+        ``fsdp_kwargs`` (``device_id``, ``param_init_fn``, ``sync_module_states``...) go to the FSDP1
+        constructor or to every ``fully_shard`` call."""
+        found = len(blocks_of(model, self.block_classes))
+        if found != self.num_blocks:
+            names = ", ".join(c.__name__ for c in self.block_classes)
+            raise ValueError(f"fsdp1: this plan is for a model of {self.num_blocks} blocks ({names}); the model given has "
+                             f"{found}. Plan the model you apply it to.")
+        if self.mesh_shape is not None and mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(self.device_type, self.mesh_shape)
+        return apply(self.settings, model, self.block_classes, mesh, **fsdp_kwargs)
+
+    def code(self) -> str:
+        """The calls ``apply`` makes, as Python to paste after the model (and mesh) are built."""
+        return code(self.settings, self.block_classes, self.num_blocks, self.mesh_shape is not None)
+
+    def ratio(self, candidate: Candidate) -> Optional[float]:
+        return None if candidate.cost is None else candidate.cost.total / self.reference
+
+    def table(self) -> str:
+        """Every candidate measured: peak, fit, predicted step ratio; the chosen one marked."""
+        lines = [f"{'':2}{'candidate':58} {'peak GiB':>9} {'host GiB':>9} {'fits':>4} {'step ratio':>10}"]
+        for candidate in sorted(self.candidates, key=lambda c: (not c.fits, self.ratio(c) or 0.0, c.footprint.peak)):
+            ratio = self.ratio(candidate)
+            mark = "* " if candidate.settings == self.settings else "  "
+            lines.append(f"{mark}{candidate.settings.describe(self.num_blocks):58} {candidate.footprint.peak / GIB:9.2f} "
+                         f"{candidate.footprint.host / GIB:9.2f} {'yes' if candidate.fits else 'no':>4} "
+                         f"{'-' if ratio is None else f'{ratio:.2f}':>10}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        mesh = f" as {self.mesh_shape[0]} x {self.mesh_shape[1]} (replicas x shard)" if self.mesh_shape else ""
+        host = f", {self.host / GIB:.2f} GiB a rank in host memory" if self.host else ""
+        return (f"Plan for {self.world_size} {self.device_type} devices{mesh} of {self.device_memory / GIB:.1f} GiB "
+                f"({self.usable / GIB:.1f} GiB usable), {self.settings.api}:\n"
+                f"  {self.settings.describe(self.num_blocks)}\n"
+                f"  predicted peak {self.peak / GIB:.2f} GiB a device{host}; step {self.step_ratio:.2f}x the model's "
+                f"bare compute (costs measured on {self.calibration.measured_on})\n"
+                f"  {len(self.candidates)} dry runs in {self.seconds:.1f} s\n\n{self.table()}\n\n{self.code()}")
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {"settings": settings_dict(self.settings), "peak": self.peak, "host": self.host,
+                "step_ratio": self.step_ratio, "device_memory": self.device_memory, "usable": self.usable,
+                "world_size": self.world_size, "mesh_shape": self.mesh_shape, "device_type": self.device_type,
+                "calibration": self.calibration.as_dict(), "code": self.code(),
+                "candidates": [{"settings": settings_dict(c.settings), "peak": c.footprint.peak, "fits": c.fits,
+                                "step_ratio": self.ratio(c)} for c in self.candidates]}
+
+
+def plan(
+    build: Callable[[], nn.Module],
+    batch: Any,
+    loss: Callable[[nn.Module, Any], torch.Tensor],
+    *,
+    world_size: int,
+    device_memory: Union[int, str],
+    optimizer: Optional[Callable[[Any], torch.optim.Optimizer]] = None,
+    api: Union[str, Callable[..., Any]] = FSDP1,
+    mesh_shape: Optional[Tuple[int, int]] = None,
+    device_type: str = "cuda",
+    blocks: Optional[Sequence[Type[nn.Module]]] = None,
+    param_dtypes: Sequence[Optional[torch.dtype]] = (None,),
+    allow_offload: bool = True,
+    host_memory: Optional[Union[int, str]] = None,
+    headroom: float = 0.1,
+    calibration: Optional[Calibration] = None,
+) -> Plan:
+    """Find the settings that fit ``device_memory`` a device at the best speed.
+
+    ``build()`` makes the model (it is called under the meta device: build it without ``device=``
+    arguments); ``batch`` is one rank's example batch (any tensors; only shapes and dtypes matter) and
+    ``loss(model, batch)`` the loss a step calls ``backward()`` on; ``optimizer(params)`` makes the
+    optimizer (AdamW by default). ``api``: ``"FullyShardedDataParallel"`` or ``"fully_shard"`` (or
+    fsdp1's class or function); ``mesh_shape``: (replicas, shard size) for hybrid sharding;
+    ``device_type``: where the job will run ("cuda" or "cpu"); ``blocks``: the classes to make units
+    of (found when not given); ``param_dtypes``: the precisions of gathers and compute the plan may
+    choose (``None``: full precision; add ``torch.bfloat16`` to allow it); ``host_memory``: what
+    CPU offload may keep in host memory a rank (unbounded when None); ``calibration``: rates
+    measured before (``Calibration.measure``), else this machine is probed.
+    """
+    budget = _bytes(device_memory, "device_memory")
+    api_name = _api_name(api)
+    _check(world_size, mesh_shape, headroom, device_type)
+    workload = Workload(build, batch, loss, optimizer or (lambda params: torch.optim.AdamW(params)))
+    model = _meta_model(build)
+    classes = find_blocks(model, blocks)
+    num_blocks = len(blocks_of(model, classes))
+    if calibration is None:
+        calibration = Calibration.measure(device_type, OptimizerKind.of(workload.optimizer([nn.Parameter(torch.zeros(1))])))
+    usable = int(budget * (1 - headroom))
+    dry_run = DryRun(workload, classes, device_type, mesh_shape)
+    shape = Shape(world_size, mesh_shape, num_blocks)
+    host = None if host_memory is None else _bytes(host_memory, "host_memory")
+    search = Search(dry_run, shape, api_name, usable, host, calibration, list(param_dtypes), allow_offload)
+    start = time.perf_counter()
+    candidates = search.run()
+    fitting = [c for c in candidates if c.fits]
+    if not fitting:
+        raise NoPlanFits(_no_fit_message(search, dry_run, shape, budget, usable), search.smallest())
+    plain = next(c for c in candidates if c.settings.checkpointed == 0)
+    reference = reference_seconds(plain.footprint.flops, calibration)
+    best = min(fitting, key=lambda c: c.cost.total if c.cost else float("inf"))
+    assert best.cost is not None
+    return Plan(settings=best.settings, peak=best.footprint.peak, host=best.footprint.host,
+                step_ratio=best.cost.total / reference, device_memory=budget, usable=usable, world_size=world_size,
+                mesh_shape=mesh_shape, device_type=device_type, block_classes=classes, num_blocks=num_blocks,
+                calibration=calibration, candidates=candidates, reference=reference,
+                seconds=time.perf_counter() - start)
+
+
+def _bytes(memory: Union[int, str], name: str) -> int:
+    if isinstance(memory, int) and memory > 0:
+        return memory
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(memory))
+    if not match or match.group(2).lower() not in _UNITS or float(match.group(1)) <= 0:
+        raise ValueError(f"fsdp1.plan: {name}={memory!r} is not a size; pass bytes (an int) or a string such as "
+                         "'24GiB' or '80GB'.")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def _api_name(api: Union[str, Callable[..., Any]]) -> str:
+    name = api if isinstance(api, str) else getattr(api, "__name__", repr(api))
+    if name not in APIS:
+        raise ValueError(f"fsdp1.plan: api={api!r}; pass 'FullyShardedDataParallel' or 'fully_shard' (or fsdp1's class "
+                         "or function).")
+    return name
+
+
+def _check(world_size: int, mesh_shape: Optional[Tuple[int, int]], headroom: float, device_type: str) -> None:
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"fsdp1.plan: world_size={world_size!r}; pass the number of ranks, 1 or more.")
+    if mesh_shape is not None and (len(mesh_shape) != 2 or mesh_shape[0] * mesh_shape[1] != world_size):
+        raise ValueError(f"fsdp1.plan: mesh_shape={mesh_shape!r} does not split world_size={world_size}; pass "
+                         "(replicas, shard size) whose product is the world size.")
+    if not 0 <= headroom < 1:
+        raise ValueError(f"fsdp1.plan: headroom={headroom!r}; pass the share of device memory to leave free, in [0, 1).")
+    if device_type not in ("cuda", "cpu"):
+        raise ValueError(f"fsdp1.plan: device_type={device_type!r}; pass 'cuda' or 'cpu'.")
+
+
+def _meta_model(build: Callable[[], nn.Module]) -> nn.Module:
+    with META:
+        model = build()
+    elsewhere = next(((name, p.device) for name, p in model.named_parameters() if p.device != META), None)
+    if elsewhere is not None:
+        raise ValueError(f"fsdp1.plan: build() put parameter {elsewhere[0]!r} on {elsewhere[1]}; the planner calls it "
+                         "under the meta device, so build the model without device= arguments.")
+    return model
+
+
+def _no_fit_message(search: Search, dry_run: DryRun, shape: Shape, budget: int, usable: int) -> str:
+    smallest = search.smallest()
+    ranks = _ranks_that_fit(dry_run, smallest, shape, usable)
+    batch = _batch_that_fits(dry_run, smallest, shape, usable)
+    ways = []
+    if ranks:
+        ways.append(f"{ranks} ranks" + (" in shard groups" if shape.mesh_shape else ""))
+    if batch:
+        ways.append(f"a batch of {batch} a rank")
+    what = ("It fits with " + " or with ".join(ways) + " (dry runs of those settings)." if ways else
+            "Neither more ranks (up to 8 times as many) nor batch 1 make it fit: allow bfloat16 or CPU offload, or use "
+            "larger devices.")
+    return (f"fsdp1.plan: nothing fits {budget / GIB:.1f} GiB a device ({usable / GIB:.1f} GiB after headroom) on "
+            f"{shape.world_size} ranks. The smallest peak any candidate reaches is {smallest.footprint.peak / GIB:.2f} GiB "
+            f"({smallest.settings.describe(shape.num_blocks)}). {what}")
+
+
+def _ranks_that_fit(dry_run: DryRun, smallest: Candidate, shape: Shape, usable: int) -> Optional[int]:
+    """The fewest ranks (a multiple of the world size, up to 8 times it) on which the smallest candidate fits."""
+    for factor in (2, 4, 8):
+        replicas = shape.mesh_shape[0] if shape.mesh_shape else 1
+        world = shape.world_size * factor
+        mesh = (replicas, world // replicas) if shape.mesh_shape else None
+        bigger = DryRun(dry_run.workload, dry_run.classes, dry_run.device_type, mesh)
+        with fake_process_group(world):
+            if bigger.measure(smallest.settings).peak <= usable:
+                return world
+    return None
+
+
+def _batch_that_fits(dry_run: DryRun, smallest: Candidate, shape: Shape, usable: int) -> Optional[int]:
+    """The largest batch a rank (halving the example's first dimension) on which the smallest candidate fits."""
+    full = first_dim(dry_run.workload.batch)
+    fraction = 0.5
+    with fake_process_group(shape.world_size):
+        while full and int(full * fraction) >= 1:
+            if dry_run.measure(smallest.settings, dry_run.workload.scaled_batch(fraction)).peak <= usable:
+                return int(full * fraction)
+            fraction /= 2
+    return None

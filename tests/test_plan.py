@@ -1,0 +1,264 @@
+"""Tests the planner (``fsdp1.plan``): its predicted peak is the peak a real run of the plan reaches
+(within 2%, on the example GPT, a Transformers Llama and GPT-2, both APIs, 2 and 4 ranks, with
+checkpointing, bf16, hybrid sharding and offload), its choice fits and is the cheapest candidate that
+fits by its own cost model, the code it prints does what ``apply`` does, and bad input gets an error
+that says what to pass.
+
+Measured runs use real CPU tensors as rank 0 of a fake process group, as the memory tests do: a gloo
+worker thread can keep a finished collective's tensors alive a moment after ``wait()``, which would
+make an exact count depend on scheduling. Step times are the benchmark's business
+(``tools/plan_check.py`` times the candidates against the plan's choice): no test times anything.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import fsdp1
+from examples.train_gpt import GPT
+from fsdp1._planner.dry_run import DryRun, Workload, fake_process_group
+from fsdp1._planner.live_memory import LiveStorageTracker
+from fsdp1._planner.settings import FSDP1, FULLY_SHARD, Settings, blocks_of, find_blocks
+from fsdp1.plan import Calibration, NoPlanFits
+
+pytestmark = pytest.mark.filterwarnings("ignore:The `NO_SHARD` sharding strategy is deprecated:FutureWarning")
+
+CALIBRATION = Calibration(matmul_flops={"float32": 4e10, "bfloat16": 1e10}, collective_bytes=5e8, overlap=0.5,
+                          optimizer_s_per_element=2e-9, host_optimizer_s_per_element=2e-9,
+                          host_copy_bytes=float("inf"), measured_on="fixed test figures")
+"""Rates of the order this machine's probe measures, fixed so the tests need no probe."""
+
+
+def _gpt():
+    return GPT(128, 64, 64, 4, 4)
+
+
+def _gpt_loss(model, tokens):
+    return F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64))
+
+
+def _causal_lm_loss(model, tokens):
+    return model(input_ids=tokens, labels=tokens).loss
+
+
+MODELS = {"gpt": (_gpt, _gpt_loss, 65), "llama": (_llama, _causal_lm_loss, 64), "gpt2": (_gpt2, _causal_lm_loss, 64)}
+"""Each model's factory, loss and sequence length (the GPT's tokens include the last target). The
+GPT has four blocks, for the search to have room; the Transformers models two, as they run slower."""
+
+
+def _tokens(length, batch=4):
+    return torch.randint(0, 128, (batch, length), generator=torch.Generator().manual_seed(0))
+
+
+def _between_the_ends(build, tokens, loss, world_size, api, settings=None):
+    """A budget halfway between FULL_SHARD's peak with no block and with every block checkpointed:
+    the plan must trade speed for memory."""
+    workload = Workload(build, tokens, loss, torch.optim.AdamW)
+    with torch.device("meta"):
+        classes = find_blocks(build(), None)
+    dry_run = DryRun(workload, classes, "cpu", None)
+    settings = settings or Settings(api, fsdp1.ShardingStrategy.FULL_SHARD)
+    with fake_process_group(world_size):
+        none, every = dry_run.measure(settings), dry_run.measure(settings.replace(checkpointed=len(blocks_of(build(), classes))))
+    return (none.peak + every.peak) // 2
+
+
+def _measured(plan, build, tokens, loss):
+    """The peak of two real training steps of ``build()`` sharded by ``plan``: the planner's dry run
+    with real CPU tensors."""
+    torch.manual_seed(0)
+    with fake_process_group(plan.world_size), LiveStorageTracker() as tracker:
+        model = plan.apply(build())
+        optimizer = torch.optim.AdamW(model.parameters())
+        tracker.reset_peak()
+        for _ in range(2):
+            loss(model, tokens).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return tracker.peak
+
+
+def _plan(build, tokens, loss, world_size, api, budget, **options):
+    return fsdp1.plan(build, tokens, loss, world_size=world_size, device_memory=budget, api=api, device_type="cpu",
+                      headroom=0.0, calibration=CALIBRATION, **options)
+
+
+def _assert_predicted(plan, measured):
+    miss = abs(plan.peak - measured) / measured
+    assert miss <= 0.02, (f"{plan.settings.describe(plan.num_blocks)}: predicted {plan.peak:,} B, measured {measured:,} B, "
+                          f"{miss:.1%} off")
+
+
+@pytest.mark.parametrize("api", [FSDP1, FULLY_SHARD])
+@pytest.mark.parametrize("model", ["gpt", "llama", "gpt2"])
+def test_predicted_peak_is_the_measured_peak(model, api):
+    build, loss, length = MODELS[model]
+    tokens = _tokens(length)
+    plan = _plan(build, tokens, loss, 2, api, _between_the_ends(build, tokens, loss, 2, api))
+    _assert_predicted(plan, _measured(plan, build, tokens, loss))
+    assert plan.settings.checkpointed > 0  # the budget is below FULL_SHARD's peak without checkpointing
+    fitting = [c for c in plan.candidates if c.fits]
+    assert all(c.footprint.peak <= plan.usable for c in fitting)
+    assert all(c.footprint.peak > plan.usable for c in plan.candidates if not c.fits)
+    assert plan.step_ratio == min(plan.ratio(c) for c in fitting) > 1.0  # the cheapest, and dearer than bare compute
+    if model == "gpt":  # pruned: fewer runs than every strategy x blocks checkpointed (two blocks leave no room)
+        assert len(plan.candidates) < 3 * (plan.num_blocks + 1)
+
+
+@pytest.mark.parametrize("api", [FSDP1, FULLY_SHARD])
+def test_four_ranks_in_bfloat16(api):
+    build, loss, length = MODELS["gpt"]
+    tokens = _tokens(length)
+    budget = _between_the_ends(build, tokens, loss, 4, api, Settings(api, fsdp1.ShardingStrategy.FULL_SHARD,
+                                                                      param_dtype=torch.bfloat16))
+    plan = _plan(build, tokens, loss, 4, api, budget, param_dtypes=(torch.bfloat16,))
+    assert plan.settings.param_dtype is torch.bfloat16
+    _assert_predicted(plan, _measured(plan, build, tokens, loss))
+
+
+def test_hybrid_sharding():
+    build, loss, length = MODELS["gpt"]
+    tokens = _tokens(length)
+    plan = _plan(build, tokens, loss, 4, FSDP1, "1GiB", mesh_shape=(2, 2))
+    assert plan.settings.strategy is fsdp1.ShardingStrategy._HYBRID_SHARD_ZERO2  # the faster hybrid, as it fits
+    _assert_predicted(plan, _measured(plan, build, tokens, loss))
+
+
+@pytest.mark.parametrize("api", [FSDP1, FULLY_SHARD])
+def test_offload_keeps_the_sharded_state_in_host_memory(api):
+    """On a CPU offload moves nothing, so a real run holds the dry run's total; the bytes the plan puts
+    in host memory are the parameters, gradients and optimizer state, and the device keeps the rest."""
+    build, loss, length = MODELS["gpt"]
+    tokens = _tokens(length)
+    workload = Workload(build, tokens, loss, torch.optim.AdamW)
+    with torch.device("meta"):
+        classes = find_blocks(build(), None)
+    settings = Settings(api, fsdp1.ShardingStrategy.FULL_SHARD, checkpointed=2, offload=True)
+    with fake_process_group(2):
+        offloaded = DryRun(workload, classes, "cpu", None).measure(settings)
+        kept = DryRun(workload, classes, "cpu", None).measure(settings.replace(offload=False))
+    assert offloaded.total == kept.peak
+    assert offloaded.host == offloaded.state == kept.state
+    assert kept.peak - offloaded.host <= offloaded.peak < kept.peak
+    plan = _plan(build, tokens, loss, 2, api, "1GiB")
+    real = _measured(dataclasses.replace(plan, settings=settings), build, tokens, loss)
+    assert abs(offloaded.total - real) / real <= 0.02, (offloaded.total, real)
+
+
+def test_offload_when_nothing_else_fits_and_the_host_has_room():
+    """Planned for a CUDA job (on this CPU machine: the dry run is the same), with a budget below the
+    smallest candidate without offload: the plan offloads, and puts the sharded state in host memory,
+    unless the host memory allowed is smaller."""
+    build, loss, length = MODELS["gpt"]
+    tokens = _tokens(length)
+    workload = Workload(build, tokens, loss, torch.optim.AdamW)
+    smallest = Settings(FSDP1, fsdp1.ShardingStrategy.FULL_SHARD, checkpointed=4, backward_prefetch=None)
+    with fake_process_group(2):
+        without = DryRun(workload, find_blocks(_gpt(), None), "cuda", None).measure(smallest)
+    budget = without.peak - 1000
+    plan = fsdp1.plan(build, tokens, loss, world_size=2, device_memory=budget, headroom=0.0, calibration=CALIBRATION)
+    assert plan.settings.offload and plan.peak <= budget
+    chosen = next(c for c in plan.candidates if c.settings == plan.settings)
+    assert plan.host == chosen.footprint.state >= without.state  # every byte of the state it trains (NO_SHARD's is whole)
+    with pytest.raises(NoPlanFits, match="nothing fits"):
+        fsdp1.plan(build, tokens, loss, world_size=2, device_memory=budget, headroom=0.0, calibration=CALIBRATION,
+                   host_memory=without.state - 1)
+
+
+def test_everything_fits_means_no_checkpointing_and_the_least_sharding():
+    build, loss, length = MODELS["gpt"]
+    plan = _plan(build, _tokens(length), loss, 2, FULLY_SHARD, "1GiB")
+    assert (plan.settings.checkpointed, plan.settings.kept_gathered) == (0, 4)
+    assert len(plan.candidates) == 2  # the smallest candidate, then the least sharded
+
+
+@pytest.mark.parametrize("api", [FSDP1, FULLY_SHARD])
+def test_printed_code_shards_as_apply_does(api):
+    build, loss, length = MODELS["gpt"]
+    tokens = _tokens(length)
+    plan = dataclasses.replace(_plan(build, tokens, loss, 2, api, "1GiB"), settings=Settings(
+        api, fsdp1.ShardingStrategy.SHARD_GRAD_OP, checkpointed=2, kept_gathered=1, param_dtype=torch.bfloat16))
+    with fake_process_group(2):
+        torch.manual_seed(0)
+        applied = plan.apply(build())
+        torch.manual_seed(0)
+        namespace = {"model": build(), "torch": torch}
+        exec(plan.code(), namespace)
+        printed = namespace["model"]
+        assert str(printed) == str(applied)
+        assert _loss_after_a_step(printed, tokens) == _loss_after_a_step(applied, tokens)
+
+
+def _loss_after_a_step(model, tokens):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _gpt_loss(model, tokens).backward()
+    optimizer.step()
+    return _gpt_loss(model, tokens).item()
+
+
+def test_nothing_fits_names_the_smallest_peak_and_what_would_fit():
+    build, loss, length = MODELS["gpt"]
+    tokens = _tokens(length)
+    workload = Workload(build, tokens, loss, torch.optim.AdamW)
+    dry_run = DryRun(workload, find_blocks(_gpt(), None), "cpu", None)
+    smallest_settings = Settings(FSDP1, fsdp1.ShardingStrategy.FULL_SHARD, checkpointed=4, backward_prefetch=None)
+    with fake_process_group(2):
+        one_sequence = dry_run.measure(smallest_settings, tokens[:1]).peak
+    budget = one_sequence + 1000
+    with pytest.raises(NoPlanFits) as caught:
+        _plan(build, tokens, loss, 2, FSDP1, budget)
+    smallest = caught.value.smallest
+    assert smallest.footprint.peak > budget
+    message = str(caught.value)
+    assert f"{smallest.footprint.peak / 2**30:.2f} GiB" in message
+    batch = int(message.split("with a batch of ")[1].split()[0])
+    assert 1 <= batch < 4
+    with fake_process_group(2):  # the batch it names does fit
+        assert dry_run.measure(smallest.settings, tokens[:batch]).peak <= budget
+
+
+@pytest.mark.parametrize("bad, error", [
+    (dict(device_memory="lots"), "is not a size"),
+    (dict(world_size=0), "world_size=0"),
+    (dict(mesh_shape=(3, 2)), "does not split world_size=2"),
+    (dict(api="DDP"), "pass 'FullyShardedDataParallel' or 'fully_shard'"),
+    (dict(headroom=1.5), "headroom=1.5"),
+    (dict(build=lambda: nn.Linear(4, 4, device="cpu")), "build the model without device="),
+    (dict(build=lambda: nn.Linear(4, 4)), "found no list of repeated blocks"),
+])
+def test_bad_input_says_what_to_pass(bad, error):
+    build, loss, length = MODELS["gpt"]
+    arguments = {**dict(build=build, batch=_tokens(length), loss=loss, world_size=2, device_memory="1GiB",
+                        device_type="cpu", calibration=CALIBRATION), **bad}
+    with pytest.raises(ValueError, match=error.replace("(", r"\(").replace(")", r"\)")):
+        fsdp1.plan(**arguments)
+
+
+def test_plan_refuses_a_process_that_already_has_a_group():
+    build, loss, length = MODELS["gpt"]
+    with fake_process_group(2), pytest.raises(RuntimeError, match="runs before init_process_group"):
+        _plan(build, _tokens(length), loss, 2, FSDP1, "1GiB")
+
+
+def test_the_probe_measures_this_machine():
+    calibration = Calibration.measure("cpu", fsdp1._planner.cost.OptimizerKind(torch.optim.AdamW, {"lr": 1e-3}))
+    assert calibration.matmul_flops["float32"] > 0 and calibration.matmul_flops["bfloat16"] > 0
+    assert calibration.collective_bytes > 0 and 0 <= calibration.overlap <= 1
+    assert calibration.optimizer_s_per_element > 0 and calibration.host_copy_bytes == float("inf")
+    assert "gloo" in calibration.measured_on
