@@ -17,6 +17,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
 
 import fsdp1
+from fsdp1._planner.dry_run import fake_process_group
+from fsdp1._planner.live_memory import LiveStorageTracker
 
 from _harness import run_on_ranks
 from _models import Block as GPTBlock
@@ -34,8 +36,6 @@ from _models import (
     wrap_fsdp1,
     wrap_torch_fsdp,
 )
-from fsdp1._planner.live_memory import LiveStorageTracker
-from tools.memory_estimator import fake_process_group
 
 D, HIDDEN, LAYERS = 12, 53, 3
 FORMS = ["inside", "inside_reentrant", "apply_activation_checkpointing", "whole_block", "around_unit", "none"]

@@ -42,7 +42,7 @@ def _trained(model, optim, width, sent=None):
     """3 steps on this rank's inputs of ``width`` features; the losses. ``sent``: a dict that gets the
     bytes this rank sent in the second step's collectives, by kind (two gloo ranks exchange fsdp1's
     gathers and reductions pairwise: compare totals)."""
-    from tools.benchmark import CommBytes
+    from fsdp1._planner.dry_run import CommBytes
 
     losses = []
     for step in range(3):

@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsdp1
+from fsdp1._planner.dry_run import fake_process_group
 
 from _harness import run_on_ranks
 from _models import (
@@ -38,7 +39,6 @@ from _models import (
     wrap_fsdp1,
     wrap_torch_fsdp,
 )
-from tools.memory_estimator import fake_process_group
 
 STEPS, TOLERANCE = 4, 1e-5
 STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
@@ -221,7 +221,7 @@ def test_frozen_root_parameters_and_meta_init_train_bitwise_like_torchs(pattern)
 def _frozen_between_trainable(impl):
     """A fully_shard unit whose middle Linear is frozen: the losses, the trainable parameters after
     two AdamW steps, and the bytes this rank sent in the second step."""
-    from tools.benchmark import CommBytes
+    from fsdp1._planner.dry_run import CommBytes
 
     shard = fully_shard_of(impl)
     torch.manual_seed(0)

@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsdp1
+from fsdp1._planner.live_memory import LiveStorageTracker
 
 from _harness import run_on_ranks
 from _models import (
@@ -28,7 +29,6 @@ from _models import (
     wrap_fsdp1,
     wrap_torch_fsdp,
 )
-from fsdp1._planner.live_memory import LiveStorageTracker
 
 transformers = pytest.importorskip("transformers")
 

@@ -18,6 +18,8 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fsdp1
+from fsdp1._planner.dry_run import fake_process_group
+from fsdp1._planner.live_memory import LiveStorageTracker
 
 from _harness import run_on_ranks
 from _models import (
@@ -41,8 +43,6 @@ from _models import (
     train_each,
     wrap_fsdp1,
 )
-from fsdp1._planner.live_memory import LiveStorageTracker
-from tools.memory_estimator import fake_process_group
 
 FSDP = fsdp1.FullyShardedDataParallel
 TOLERANCE = 1e-5

@@ -21,10 +21,10 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.utils.checkpoint import checkpoint
 
 import fsdp1
+from fsdp1._planner.dry_run import CommBytes
 
 from _harness import RankFailure, run_on_ranks
 from _models import fully_shard_of, pipeline_step, stage_indices
-from tools.benchmark import CommBytes
 
 DIM, MICROBATCHES, STEPS = 7, 4, 3
 WHOLE_BACKWARD = ["ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS"]

@@ -11,6 +11,7 @@ make an exact count depend on scheduling. Step times are the benchmark's busines
 """
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -18,17 +19,18 @@ from torch import nn
 from torch.nn import functional as F
 
 import fsdp1
-from examples.train_gpt import GPT
 from fsdp1._planner.dry_run import DryRun, Workload, fake_process_group
 from fsdp1._planner.live_memory import LiveStorageTracker
 from fsdp1._planner.settings import FSDP1, FULLY_SHARD, Settings, blocks_of, find_blocks
 from fsdp1.plan import Calibration, NoPlanFits
 
+from examples.train_gpt import GPT
+
 pytestmark = pytest.mark.filterwarnings("ignore:The `NO_SHARD` sharding strategy is deprecated:FutureWarning")
 
 CALIBRATION = Calibration(matmul_flops={"float32": 4e10, "bfloat16": 1e10}, collective_bytes=5e8, overlap=0.5,
                           optimizer_s_per_element=2e-9, host_optimizer_s_per_element=2e-9,
-                          host_copy_bytes=float("inf"), measured_on="fixed test figures")
+                          host_copy_bytes=None, measured_on="fixed test figures")
 """Rates of the order this machine's probe measures, fixed so the tests need no probe."""
 
 
@@ -198,7 +200,7 @@ def test_printed_code_shards_as_apply_does(api):
         torch.manual_seed(0)
         applied = plan.apply(build())
         torch.manual_seed(0)
-        namespace = {"model": build(), "torch": torch}
+        namespace = {"model": build()}
         exec(plan.code(), namespace)
         printed = namespace["model"]
         assert str(printed) == str(applied)
@@ -241,6 +243,18 @@ def test_nothing_fits_names_the_smallest_peak_and_what_would_fit():
     (dict(headroom=1.5), "headroom=1.5"),
     (dict(build=lambda: nn.Linear(4, 4, device="cpu")), "build the model without device="),
     (dict(build=lambda: nn.Linear(4, 4)), "found no list of repeated blocks"),
+    (dict(build=_gpt()), "pass a function that makes the model"),
+    (dict(build=lambda: None), "return the nn.Module to shard"),
+    (dict(device_memory=True), "is not a size"),
+    (dict(device_memory=1.5), "is not a size"),
+    (dict(world_size=True), "world_size=True"),
+    (dict(mesh_shape=(-1, -2)), "does not split"),
+    (dict(headroom="0.1"), "headroom='0.1'"),
+    (dict(param_dtypes=torch.bfloat16), "param_dtypes="),
+    (dict(param_dtypes=(torch.float16,)), "no matmul rate for float16"),
+    (dict(blocks=[int]), "pass the module classes"),
+    (dict(calibration={}), "pass a fsdp1.plan.Calibration"),
+    (dict(loss=lambda model, tokens: model(tokens[:, :-1])), "return the scalar tensor"),
 ])
 def test_bad_input_says_what_to_pass(bad, error):
     build, loss, length = MODELS["gpt"]
@@ -248,6 +262,40 @@ def test_bad_input_says_what_to_pass(bad, error):
                         device_type="cpu", calibration=CALIBRATION), **bad}
     with pytest.raises(ValueError, match=error.replace("(", r"\(").replace(")", r"\)")):
         fsdp1.plan(**arguments)
+
+
+def test_a_model_checkpointing_breaks_is_planned_without_checkpointing():
+    """T5 caches keys and values by default, which torch's checkpointing cannot recompute: the plan
+    goes without checkpointing and says why."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0)
+    tokens = _tokens(16)
+    plan = _plan(lambda: T5ForConditionalGeneration(config), tokens, lambda model, batch: model(input_ids=batch, labels=batch).loss,
+                 2, FSDP1, "1GiB")
+    assert plan.settings.checkpointed == 0 and all(c.settings.checkpointed == 0 for c in plan.candidates)
+    assert "use_cache=False" in plan.notes[0] and "note: activation checkpointing fails" in str(plan)
+
+
+def test_a_model_with_frozen_parameters_gets_use_orig_params_under_fsdp1():
+    build, loss, length = MODELS["llama"]
+
+    def frozen_embeddings():
+        model = build()
+        model.model.embed_tokens.requires_grad_(False)  # in the root unit, with trainable parameters
+        return model
+
+    tokens = _tokens(length)
+    plan = _plan(frozen_embeddings, tokens, loss, 2, FSDP1, "1GiB")
+    assert plan.settings.use_orig_params and "use_orig_params=True" in plan.code()
+    _assert_predicted(plan, _measured(plan, frozen_embeddings, tokens, loss))
+
+
+def test_apply_refuses_another_model():
+    build, loss, length = MODELS["gpt"]
+    plan = _plan(build, _tokens(length), loss, 2, FSDP1, "1GiB")
+    with pytest.raises(ValueError, match="Plan the model you apply it to"):
+        plan.apply(GPT(256, 64, 64, 4, 4))  # the same blocks, a larger vocabulary
 
 
 def test_plan_refuses_a_process_that_already_has_a_group():
@@ -260,5 +308,25 @@ def test_the_probe_measures_this_machine():
     calibration = Calibration.measure("cpu", fsdp1._planner.cost.OptimizerKind(torch.optim.AdamW, {"lr": 1e-3}))
     assert calibration.matmul_flops["float32"] > 0 and calibration.matmul_flops["bfloat16"] > 0
     assert calibration.collective_bytes > 0 and 0 <= calibration.overlap <= 1
-    assert calibration.optimizer_s_per_element > 0 and calibration.host_copy_bytes == float("inf")
+    assert calibration.optimizer_s_per_element > 0 and calibration.host_copy_bytes is None
+    assert set(calibration.matmul_flops) == {"float32", "bfloat16", "float16"}
     assert "gloo" in calibration.measured_on
+
+
+def test_the_command_plans_a_transformers_config(tmp_path, capsys):
+    from fsdp1.plan.__main__ import main
+
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text(json.dumps({"calibration": CALIBRATION.as_dict()}))
+    out = tmp_path / "plan.json"
+    small = ["--model-type", "llama", "--set", "hidden_size=64", "intermediate_size=96", "num_attention_heads=4",
+             "--set", "num_hidden_layers=2", "vocab_size=128", "max_position_embeddings=64"]
+    main(small + ["--world-size", "2", "--device-memory", "1GiB", "--device-type", "cpu", "--batch", "4",
+                  "--calibration", str(calibration), "--json", str(out)])
+    written = json.loads(out.read_text())
+    assert written["settings"]["api"] == FSDP1 and len(written["candidates"]) >= 1
+    assert "LlamaDecoderLayer" in written["code"] and "Plan for 2 cpu devices" in capsys.readouterr().out
+    for bad, says in ((["--seq", "65"], "longer than the model's 64 positions"), (["--mesh", "2by1"], "REPLICASxSHARD")):
+        with pytest.raises(SystemExit):
+            main(small + ["--world-size", "2", "--device-memory", "1GiB", "--calibration", str(calibration), *bad])
+        assert says in capsys.readouterr().err

@@ -37,51 +37,14 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from tools.memory_estimator import ESTIMATED, estimate, fake_process_group, measure
+from fsdp1._planner.dry_run import CommBytes, fake_process_group
+
+from tools.memory_estimator import ESTIMATED, estimate, measure
 from tools.workload import ANCHOR, CPU_ANCHOR, CUDA_ONLY, VARIANTS, GPTSize, Pipelined, make_optimizer
 
 MIB = 2**20
 WARMUP_STEPS = 2
-
-
-class CommBytes(TorchDispatchMode):
-    """Bytes this rank sends, per collective kind, counted over each collective's own group: (n - 1) / n
-    of an all-gather's output or a reduce-scatter's input, twice that of an all-reduce's tensor (ring),
-    and for all-to-all what goes to the other ranks."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.payload: Dict[str, int] = defaultdict(int)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "c10d":
-            name = func.__name__
-            if name.startswith(("_allgather_base_", "allgather_")):
-                self.payload["all_gather"] += int(_sent_share(args[2]) * _nbytes(args[0]))
-            elif name.startswith(("_reduce_scatter_base_", "reduce_scatter_")):
-                self.payload["reduce_scatter"] += int(_sent_share(args[2]) * _nbytes(args[1]))
-            elif name.startswith("allreduce"):
-                self.payload["all_reduce"] += int(2 * _sent_share(args[1]) * _nbytes(args[0]))
-            elif name.startswith("alltoall_base_"):
-                output, inputs, group, _, input_splits = args[:5]  # the splits are by rank of the group
-                group = dist.ProcessGroup.unbox(group)
-                to_self = input_splits[group.rank()] * inputs.element_size() if input_splits else _nbytes(inputs) // group.size()
-                self.payload["all_to_all_sent"] += _nbytes(inputs) - to_self
-        return func(*args, **(kwargs or {}))
-
-
-def _sent_share(group) -> float:
-    """The share of a collective's full buffer one rank of ``group`` sends: (n - 1) / n."""
-    size = dist.ProcessGroup.unbox(group).size()
-    return (size - 1) / size
-
-
-def _nbytes(obj) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    return sum(_nbytes(o) for o in obj) if isinstance(obj, (list, tuple)) else 0
 
 
 class Rank:
@@ -328,7 +291,7 @@ def main() -> None:
     with fake_process_group(world_size):
         for name in args.variants:
             if name in ESTIMATED:
-                predicted[name] = vars(estimate(size, VARIANTS[name]))
+                predicted[name] = vars(estimate(size, VARIANTS[name], device_type=args.device))
 
     raw_path = args.json + ".raw"
     port = 29600 + os.getpid() % 1000

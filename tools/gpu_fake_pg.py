@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from tools.memory_estimator import fake_process_group
+from fsdp1._planner.dry_run import fake_process_group
+
 from tools.workload import BF16, VARIANTS, GPTSize
 
 PAIRS = [(f"torch_fsdp1_{kind}", f"fsdp1_{kind}") for kind in ("full", "full_orig", "grad_op", "full_bf16", "full_offload")]

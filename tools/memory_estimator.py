@@ -13,21 +13,22 @@ optimizer state, activations, unsharded units and every temporary, as each exist
 
 From Python, ``estimate(size, wrapper)`` does the same for any variant of ``workload.VARIANTS``
 that runs on the meta device under a fake group (fsdp1's, and ``local``); pass your own
-``GPTSize`` or adapt ``estimate`` to your model's factory and loss. DDP refuses the fake group, so
+``GPTSize``. For any other model, and to choose the settings too, use the library's planner
+(``fsdp1.plan``, ``python -m fsdp1.plan``), which runs the same count. DDP refuses the fake group, so
 it has no estimate. ``measure`` is the same count on any device; the benchmark and the tests use it
 for real runs, so prediction and measurement are counted by one piece of code.
 """
 
 import argparse
-import contextlib
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from fsdp1._planner.dry_run import FusedAttention, fake_process_group
 from fsdp1._planner.live_memory import LiveStorageTracker
+
 from tools.workload import VARIANTS, GPTSize, Wrapper, forward_backward, make_optimizer, state_bytes
 
 META = torch.device("meta")
@@ -44,18 +45,6 @@ class StepMemory:
     step_start: int
     peak: int
     state: int
-
-
-@contextlib.contextmanager
-def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
-    """Make this process ``rank`` of ``world_size`` ranks whose collectives move nothing."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def measure(size: GPTSize, make_model: Callable[[], nn.Module], wrapper: Wrapper, device: torch.device,
@@ -80,10 +69,12 @@ def _meta_model(size: GPTSize) -> nn.Module:
         return size.make_model()
 
 
-def estimate(size: GPTSize, wrapper: Wrapper, steps: int = 2) -> StepMemory:
-    """Dry-run ``steps`` training steps of the wrapped model on the meta device (see ``measure``)."""
+def estimate(size: GPTSize, wrapper: Wrapper, steps: int = 2, device_type: str = "cpu") -> StepMemory:
+    """Dry-run ``steps`` training steps of the wrapped model on the meta device (see ``measure``), its
+    attention through the fused kernel ``device_type`` runs."""
     tokens = size.make_batch(torch.Generator().manual_seed(0), META)
-    return measure(size, lambda: _meta_model(size), wrapper, META, [tokens] * steps)
+    with FusedAttention(device_type):
+        return measure(size, lambda: _meta_model(size), wrapper, META, [tokens] * steps)
 
 
 def main() -> None:

@@ -12,20 +12,20 @@ recomputation, full precision) on that machine, never as seconds: the seconds ho
 machine only, the ratios carry over wherever its rates keep their proportions.
 """
 
+import base64
 import inspect
-import os
+import json
+import pickle
 import socket
-import time
+import subprocess
+import sys
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, List, Type
+from typing import Any, Dict, List, Optional, Type
 
 import torch
 
 from .dry_run import Footprint
 from .settings import Settings
-
-_PROBE_ELEMENTS = 1 << 20
-_GATHER_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ class Calibration:
     overlap: float  # the share of an all-gather a concurrent matmul hides, 0 to 1
     optimizer_s_per_element: float
     host_optimizer_s_per_element: float
-    host_copy_bytes: float  # host <-> device; infinite where the device is the host
+    host_copy_bytes: Optional[float]  # host <-> device; None where the device is the host
     measured_on: str
 
     def as_dict(self) -> Dict[str, Any]:
@@ -60,19 +60,25 @@ class Calibration:
 
     @classmethod
     def measure(cls, device_type: str, optimizer: "OptimizerKind") -> "Calibration":
-        """Probe this machine: two processes on ``device_type``'s backend (gloo on the CPU, and where
-        fewer than two GPUs are visible), about ten seconds."""
-        ctx = torch.multiprocessing.get_context("spawn")
-        results = ctx.SimpleQueue()
-        port = _free_port()
-        processes = [ctx.Process(target=_probe_rank, args=(rank, port, device_type, optimizer, results)) for rank in range(2)]
+        """Probe this machine: two fresh processes (``python -m fsdp1._planner.probe``, so that a
+        script without a ``__main__`` guard is not run again) on ``device_type``'s backend (gloo on
+        the CPU, and where fewer than two GPUs are visible), about ten seconds."""
+        payload = base64.b64encode(pickle.dumps((_free_port(), device_type, optimizer))).decode()
+        processes = [subprocess.Popen([sys.executable, "-m", "fsdp1._planner.probe", str(rank), payload],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+        found: List[Dict[str, Any]] = []
         for process in processes:
-            process.start()
-        for process in processes:
-            process.join(timeout=300)
-        found: List[Dict[str, Any]] = [results.get() for _ in processes if not results.empty()]
-        if len(found) != 2 or any("error" in r for r in found):
-            raise RuntimeError(f"fsdp1.plan: the machine probe failed: {found}. Pass calibration=... to plan without it.")
+            try:
+                out, err = process.communicate(timeout=300)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                out, err = process.communicate()
+            lines = out.strip().splitlines()
+            found.append(json.loads(lines[-1]) if process.returncode == 0 and lines else {"error": err.strip()[-2000:]})
+        errors = [r["error"] for r in found if "error" in r]
+        if errors:
+            raise RuntimeError(f"fsdp1.plan: the probe of this machine failed: {errors[0]}. Pass calibration=... "
+                               "(rates measured before, or your own) to plan without it.")
         rank0 = found[0]
         return cls(matmul_flops=rank0["matmul_flops"], collective_bytes=min(r["collective_bytes"] for r in found),
                    overlap=min(r["overlap"] for r in found), optimizer_s_per_element=rank0["optimizer"],
@@ -97,8 +103,7 @@ class StepCost:
 def step_cost(settings: Settings, footprint: Footprint, calibration: Calibration, shard_size: int) -> StepCost:
     """The cost of one step of ``settings``, whose dry run gave ``footprint``; ``shard_size``: ranks
     that split each parameter."""
-    dtype = "float32" if settings.param_dtype is None else str(settings.param_dtype).removeprefix("torch.")
-    compute = footprint.flops / calibration.matmul_flops[dtype]
+    compute = footprint.flops / calibration.matmul_flops[dtype_name(settings.param_dtype)]
     comm_bytes = sum(footprint.comm.values())
     comm = comm_bytes / calibration.collective_bytes
     hidden_bytes = float(comm_bytes)
@@ -106,7 +111,7 @@ def step_cost(settings: Settings, footprint: Footprint, calibration: Calibration
         hidden_bytes -= footprint.comm.get("all_gather", 0) / 2  # backward's gathers wait for the gradient before them
     hidden = calibration.overlap * min(hidden_bytes / calibration.collective_bytes, compute)
     offload = 0.0
-    if settings.offload:  # each gather copies the shard to the device first, each gradient comes back
+    if settings.offload and calibration.host_copy_bytes is not None:  # each gather copies the shard to the device first, each gradient comes back
         shard_bytes = 4 * footprint.held
         gathers = footprint.comm.get("all_gather", 0) / (shard_size - 1) / shard_bytes if shard_size > 1 else 1.0
         offload = shard_bytes * (max(1.0, gathers) + 1) / calibration.host_copy_bytes
@@ -120,90 +125,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _probe_rank(rank: int, port: int, device_type: str, optimizer: "OptimizerKind", results: Any) -> None:
-    import torch.distributed as dist
-
-    try:
-        gpus = torch.cuda.device_count() if device_type == "cuda" else 0
-        device = torch.device("cuda", rank) if gpus >= 2 else torch.device("cuda") if gpus else torch.device("cpu")
-        if device.type == "cpu":
-            torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-        backend = "nccl" if gpus >= 2 else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-        comm_device = device if backend == "nccl" else torch.device("cpu")
-        try:
-            found = _probe(device, comm_device, optimizer)
-        finally:
-            dist.destroy_process_group()
-        found["where"] = (f"{torch.cuda.get_device_name(device)}, {backend}" if device.type == "cuda"
-                          else f"CPU ({torch.get_num_threads()} threads a process, 2 processes), {backend}")
-        results.put(found)
-    except Exception as error:  # reported to the parent, which raises
-        results.put({"error": f"rank {rank}: {type(error).__name__}: {error}"})
-
-
-def _probe(device: torch.device, comm_device: torch.device, optimizer: "OptimizerKind") -> Dict[str, Any]:
-    import torch.distributed as dist
-
-    size = 2048 if device.type == "cuda" else 512
-    flops: Dict[str, float] = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        a = torch.randn(size, size, device=device, dtype=dtype)
-        seconds = _timed(device, lambda: a @ a, repeats=20 if device.type == "cuda" else 4)
-        flops[str(dtype).removeprefix("torch.")] = 2 * size**3 / seconds
-    shard = torch.empty(_GATHER_BYTES // 8, device=comm_device)
-    full = torch.empty(2 * shard.numel(), device=comm_device)
-    gather = _timed(comm_device, lambda: dist.all_gather_into_tensor(full, shard), repeats=4)
-    a = torch.randn(size, size, device=device)
-    matmuls = max(1, int(gather / _timed(device, lambda: a @ a, repeats=4)))
-    alone = _timed(device, lambda: [a @ a for _ in range(matmuls)], repeats=2)
-
-    def together() -> None:
-        work = dist.all_gather_into_tensor(full, shard, async_op=True)
-        for _ in range(matmuls):
-            a @ a
-        assert work is not None
-        work.wait()
-
-    both = _timed(device, together, repeats=2)
-    overlap = max(0.0, min(1.0, (alone + gather - both) / min(alone, gather)))
-    found = {"matmul_flops": flops, "collective_bytes": _GATHER_BYTES / 2 / gather, "overlap": overlap,
-             "optimizer": _optimizer_rate(device, optimizer)}
-    found["host_optimizer"] = found["optimizer"] if device.type == "cpu" else _optimizer_rate(torch.device("cpu"), optimizer)
-    found["host_copy"] = float("inf") if device.type == "cpu" else _host_copy_rate(device)
-    return found
-
-
-def _optimizer_rate(device: torch.device, optimizer: "OptimizerKind") -> float:
-    params = [torch.nn.Parameter(torch.zeros(_PROBE_ELEMENTS, device=device)) for _ in range(4)]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    optim = optimizer.kind(params, **optimizer.defaults)
-    optim.step()  # creates the state
-    return _timed(device, optim.step, repeats=3) / (4 * _PROBE_ELEMENTS)
-
-
-def _host_copy_rate(device: torch.device) -> float:
-    host = torch.empty(_GATHER_BYTES // 4, pin_memory=True)
-    on_device = torch.empty_like(host, device=device)
-    return 2 * _GATHER_BYTES / _timed(device, lambda: (on_device.copy_(host), host.copy_(on_device)), repeats=4)
-
-
-def _timed(device: torch.device, work: Callable[[], Any], repeats: int) -> float:
-    """The median seconds of ``work`` after one warm-up."""
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    work()
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        work()
-        sync()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+def dtype_name(dtype: Optional[torch.dtype]) -> str:
+    """The key of a compute dtype in ``Calibration.matmul_flops`` (None: full precision)."""
+    return "float32" if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def reference_seconds(flops: int, calibration: Calibration) -> float:

@@ -21,6 +21,7 @@ Two things differ on the meta device and are put right here:
 """
 
 import contextlib
+import sys
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -46,14 +47,14 @@ def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
     if dist.is_initialized():
-        raise RuntimeError("fsdp1.plan dry-runs the model as one rank of a fake process group of the planned "
-                           "world size, so it runs before init_process_group (or from python -m fsdp1.plan); "
-                           "this process already has a default process group.")
+        raise RuntimeError("fsdp1: a fake process group replaces none: this process already has a default one.")
+    excepthook = sys.excepthook  # init_process_group wraps it to prefix the rank, once a group made
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        sys.excepthook = excepthook
 
 
 class CommBytes(TorchDispatchMode):
@@ -199,7 +200,7 @@ class DryRun:
             host |= tracker.serials_of(params)
             tracker.reset_peak()
             for step in range(STEPS):
-                self.workload.loss(model, batch).backward()
+                self._backward(model, batch)
                 host |= tracker.serials_of([p.grad for p in params])
                 optimizer.step()
                 host |= tracker.serials_of(list(optimizer.state.values()))
@@ -211,10 +212,19 @@ class DryRun:
             comm_key, flops_key = settings.replace(checkpointed=0), (settings.checkpointed, first_dim(batch))
             if comm_key not in self._comm or flops_key not in self._flops:
                 with comm, flops:  # a step of its own: the FLOP counter keeps what checkpointing frees
-                    self.workload.loss(model, batch).backward()
+                    self._backward(model, batch)
                 self._comm[comm_key], self._flops[flops_key] = dict(comm.payload), flops.get_total_flops()
         return Footprint(peak=peak, total=total, host=state if settings.offload else 0, state=state,
                          comm=self._comm[comm_key], flops=self._flops[flops_key], held=sum(_local_numel(p) for p in params))
+
+    def _backward(self, model: nn.Module, batch: Any) -> None:
+        loss = self.workload.loss(model, batch)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            hint = " (a Transformers model's output: return its .loss)" if hasattr(loss, "logits") else ""
+            raise ValueError(f"fsdp1.plan: loss(model, batch) returned {type(loss).__name__}"
+                             f"{'' if not isinstance(loss, torch.Tensor) else f' of shape {tuple(loss.shape)}'}; "
+                             f"return the scalar tensor a step calls backward() on{hint}.")
+        loss.backward()
 
     def _mesh(self) -> Optional[Any]:
         if self.mesh_shape is None:

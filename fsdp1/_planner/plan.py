@@ -11,13 +11,15 @@ candidate reached, and dry runs of the same settings find how many ranks, or wha
 
 import re
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from .cost import Calibration, OptimizerKind, reference_seconds
+from .cost import Calibration, OptimizerKind, dtype_name, reference_seconds
 from .dry_run import META, DryRun, Workload, fake_process_group, first_dim
 from .search import Candidate, Search, Shape
 from .settings import APIS, FSDP1, Settings, apply, blocks_of, code, find_blocks, settings_dict
@@ -54,9 +56,11 @@ class Plan:
     device_type: str
     block_classes: Tuple[Type[nn.Module], ...]
     num_blocks: int
+    num_params: int
     calibration: Calibration
     candidates: List[Candidate] = field(repr=False)
     reference: float = field(repr=False)
+    notes: List[str] = field(default_factory=list)
     seconds: float = 0.0
 
     def apply(self, model: nn.Module, mesh: Optional[Any] = None, **fsdp_kwargs: Any) -> nn.Module:
@@ -65,10 +69,11 @@ class Plan:
         ``fsdp_kwargs`` (``device_id``, ``param_init_fn``, ``sync_module_states``...) go to the FSDP1
         constructor or to every ``fully_shard`` call."""
         found = len(blocks_of(model, self.block_classes))
-        if found != self.num_blocks:
+        params = sum(p.numel() for p in model.parameters())
+        if (found, params) != (self.num_blocks, self.num_params):
             names = ", ".join(c.__name__ for c in self.block_classes)
-            raise ValueError(f"fsdp1: this plan is for a model of {self.num_blocks} blocks ({names}); the model given has "
-                             f"{found}. Plan the model you apply it to.")
+            raise ValueError(f"fsdp1: this plan is for a model of {self.num_blocks} blocks ({names}) and {self.num_params:,} "
+                             f"parameters; the model given has {found} and {params:,}. Plan the model you apply it to.")
         if self.mesh_shape is not None and mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 
@@ -84,24 +89,30 @@ class Plan:
 
     def table(self) -> str:
         """Every candidate measured: peak, fit, predicted step ratio; the chosen one marked."""
-        lines = [f"{'':2}{'candidate':58} {'peak GiB':>9} {'host GiB':>9} {'fits':>4} {'step ratio':>10}"]
+        name, unit = self._unit()
+        lines = [f"{'':2}{'candidate':58} {'peak ' + name:>9} {'host ' + name:>9} {'fits':>4} {'step ratio':>10}"]
         for candidate in sorted(self.candidates, key=lambda c: (not c.fits, self.ratio(c) or 0.0, c.footprint.peak)):
             ratio = self.ratio(candidate)
             mark = "* " if candidate.settings == self.settings else "  "
-            lines.append(f"{mark}{candidate.settings.describe(self.num_blocks):58} {candidate.footprint.peak / GIB:9.2f} "
-                         f"{candidate.footprint.host / GIB:9.2f} {'yes' if candidate.fits else 'no':>4} "
+            lines.append(f"{mark}{candidate.settings.describe(self.num_blocks):58} {candidate.footprint.peak / unit:9.2f} "
+                         f"{candidate.footprint.host / unit:9.2f} {'yes' if candidate.fits else 'no':>4} "
                          f"{'-' if ratio is None else f'{ratio:.2f}':>10}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
+        name, unit = self._unit()
         mesh = f" as {self.mesh_shape[0]} x {self.mesh_shape[1]} (replicas x shard)" if self.mesh_shape else ""
-        host = f", {self.host / GIB:.2f} GiB a rank in host memory" if self.host else ""
-        return (f"Plan for {self.world_size} {self.device_type} devices{mesh} of {self.device_memory / GIB:.1f} GiB "
-                f"({self.usable / GIB:.1f} GiB usable), {self.settings.api}:\n"
+        host = f", {self.host / unit:.2f} {name} a rank in host memory" if self.host else ""
+        return (f"Plan for {self.world_size} {self.device_type} devices{mesh} of {self.device_memory / unit:.1f} {name} "
+                f"({self.usable / unit:.1f} {name} usable), {self.settings.api}:\n"
                 f"  {self.settings.describe(self.num_blocks)}\n"
-                f"  predicted peak {self.peak / GIB:.2f} GiB a device{host}; step {self.step_ratio:.2f}x the model's "
+                f"  predicted peak {self.peak / unit:.2f} {name} a device{host}; step {self.step_ratio:.2f}x the model's "
                 f"bare compute (costs measured on {self.calibration.measured_on})\n"
-                f"  {len(self.candidates)} dry runs in {self.seconds:.1f} s\n\n{self.table()}\n\n{self.code()}")
+                f"  {len(self.candidates)} dry runs in {self.seconds:.1f} s\n"
+                + "".join(f"  note: {note}\n" for note in self.notes) + f"\n{self.table()}\n\n{self.code()}")
+
+    def _unit(self) -> Tuple[str, int]:
+        return ("GiB", GIB) if self.device_memory >= GIB else ("MiB", 2**20)
 
     def as_dict(self) -> Dict[str, Any]:
         return {"settings": settings_dict(self.settings), "peak": self.peak, "host": self.host,
@@ -143,25 +154,35 @@ def plan(
     CPU offload may keep in host memory a rank (unbounded when None); ``calibration``: rates
     measured before (``Calibration.measure``), else this machine is probed.
     """
+    if dist.is_initialized():
+        raise RuntimeError("fsdp1.plan dry-runs the model as one rank of a fake process group of the planned "
+                           "world size, so it runs before init_process_group (or from python -m fsdp1.plan); "
+                           "this process already has a default process group.")
     budget = _bytes(device_memory, "device_memory")
     api_name = _api_name(api)
     _check(world_size, mesh_shape, headroom, device_type)
+    dtypes = _dtypes(param_dtypes)
     workload = Workload(build, batch, loss, optimizer or (lambda params: torch.optim.AdamW(params)))
     model = _meta_model(build)
     classes = find_blocks(model, blocks)
     num_blocks = len(blocks_of(model, classes))
     if calibration is None:
-        calibration = Calibration.measure(device_type, OptimizerKind.of(workload.optimizer([nn.Parameter(torch.zeros(1))])))
+        calibration = _measure_calibration(device_type, workload)
+    _check_calibration(calibration, dtypes)
     usable = int(budget * (1 - headroom))
     dry_run = DryRun(workload, classes, device_type, mesh_shape)
     shape = Shape(world_size, mesh_shape, num_blocks)
     host = None if host_memory is None else _bytes(host_memory, "host_memory")
-    search = Search(dry_run, shape, api_name, usable, host, calibration, list(param_dtypes), allow_offload)
+    search = Search(dry_run, shape, api_name, usable, host, calibration, dtypes, allow_offload)
     start = time.perf_counter()
-    candidates = search.run()
+    frozen = any(not p.requires_grad for p in model.parameters())  # FSDP1 units may then mix frozen and trainable
+    candidates = search.run(use_orig_params=frozen and api_name == FSDP1)
+    notes = [] if search.checkpointing_error is None else [
+        f"activation checkpointing fails on this model ({search.checkpointing_error}), so no candidate checkpoints; "
+        "a Transformers model that caches keys and values needs use_cache=False in the loss's call"]
     fitting = [c for c in candidates if c.fits]
     if not fitting:
-        raise NoPlanFits(_no_fit_message(search, dry_run, shape, budget, usable), search.smallest())
+        raise NoPlanFits(_no_fit_message(search, dry_run, shape, budget, usable, notes), search.smallest())
     plain = next(c for c in candidates if c.settings.checkpointed == 0)
     reference = reference_seconds(plain.footprint.flops, calibration)
     best = min(fitting, key=lambda c: c.cost.total if c.cost else float("inf"))
@@ -169,14 +190,48 @@ def plan(
     return Plan(settings=best.settings, peak=best.footprint.peak, host=best.footprint.host,
                 step_ratio=best.cost.total / reference, device_memory=budget, usable=usable, world_size=world_size,
                 mesh_shape=mesh_shape, device_type=device_type, block_classes=classes, num_blocks=num_blocks,
-                calibration=calibration, candidates=candidates, reference=reference,
-                seconds=time.perf_counter() - start)
+                num_params=sum(p.numel() for p in model.parameters()), calibration=calibration, candidates=candidates,
+                reference=reference, notes=notes, seconds=time.perf_counter() - start)
+
+
+def _measure_calibration(device_type: str, workload: Workload) -> Calibration:
+    optimizer = workload.optimizer([nn.Parameter(torch.zeros(1))])
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"fsdp1.plan: optimizer(params) returned {type(optimizer).__name__}; pass a function that "
+                         "makes a torch.optim.Optimizer of the parameters it is given.")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        warnings.warn("fsdp1.plan: planning a CUDA job on a machine without CUDA: the peaks hold, but the step "
+                      "costs are this CPU's proportions. Pass calibration= measured where the job runs "
+                      "(python -m fsdp1.plan ... --json on that machine writes one).", stacklevel=3)
+    return Calibration.measure(device_type, OptimizerKind.of(optimizer))
+
+
+def _check_calibration(calibration: Calibration, dtypes: Sequence[Optional[torch.dtype]]) -> None:
+    if not isinstance(calibration, Calibration):
+        raise ValueError(f"fsdp1.plan: calibration={calibration!r}; pass a fsdp1.plan.Calibration (or None to probe "
+                         "this machine).")
+    missing = [name for name in (dtype_name(d) for d in dtypes) if name not in calibration.matmul_flops]
+    if missing:
+        raise ValueError(f"fsdp1.plan: the calibration has no matmul rate for {missing[0]}; measure one that has "
+                         "(Calibration.measure probes float32, bfloat16 and float16), or leave it out of param_dtypes.")
+
+
+def _dtypes(param_dtypes: Sequence[Optional[torch.dtype]]) -> List[Optional[torch.dtype]]:
+    """The precisions allowed, full precision (torch.float32) as None."""
+    if isinstance(param_dtypes, torch.dtype) or not isinstance(param_dtypes, (list, tuple)) or not param_dtypes or not all(
+            d is None or d in (torch.float32, torch.bfloat16, torch.float16) for d in param_dtypes):
+        raise ValueError(f"fsdp1.plan: param_dtypes={param_dtypes!r}; pass a non-empty tuple of None (full precision), "
+                         "torch.bfloat16 or torch.float16, e.g. (None, torch.bfloat16).")
+    return list(dict.fromkeys(None if d == torch.float32 else d for d in param_dtypes))
 
 
 def _bytes(memory: Union[int, str], name: str) -> int:
-    if isinstance(memory, int) and memory > 0:
+    if isinstance(memory, int) and not isinstance(memory, bool) and memory > 0:
         return memory
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(memory))
+    if not isinstance(memory, str):
+        match = None
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", memory)
     if not match or match.group(2).lower() not in _UNITS or float(match.group(1)) <= 0:
         raise ValueError(f"fsdp1.plan: {name}={memory!r} is not a size; pass bytes (an int) or a string such as "
                          "'24GiB' or '80GB'.")
@@ -192,20 +247,27 @@ def _api_name(api: Union[str, Callable[..., Any]]) -> str:
 
 
 def _check(world_size: int, mesh_shape: Optional[Tuple[int, int]], headroom: float, device_type: str) -> None:
-    if not isinstance(world_size, int) or world_size < 1:
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"fsdp1.plan: world_size={world_size!r}; pass the number of ranks, 1 or more.")
-    if mesh_shape is not None and (len(mesh_shape) != 2 or mesh_shape[0] * mesh_shape[1] != world_size):
+    if mesh_shape is not None and (not isinstance(mesh_shape, (tuple, list)) or len(mesh_shape) != 2
+                                   or not all(isinstance(n, int) and n > 0 for n in mesh_shape)
+                                   or mesh_shape[0] * mesh_shape[1] != world_size):
         raise ValueError(f"fsdp1.plan: mesh_shape={mesh_shape!r} does not split world_size={world_size}; pass "
                          "(replicas, shard size) whose product is the world size.")
-    if not 0 <= headroom < 1:
+    if not isinstance(headroom, (int, float)) or not 0 <= headroom < 1:
         raise ValueError(f"fsdp1.plan: headroom={headroom!r}; pass the share of device memory to leave free, in [0, 1).")
     if device_type not in ("cuda", "cpu"):
         raise ValueError(f"fsdp1.plan: device_type={device_type!r}; pass 'cuda' or 'cpu'.")
 
 
 def _meta_model(build: Callable[[], nn.Module]) -> nn.Module:
+    if isinstance(build, nn.Module) or not callable(build):
+        raise ValueError(f"fsdp1.plan: build={type(build).__name__}; pass a function that makes the model (the "
+                         "planner builds it on the meta device, e.g. lambda: MyModel(config)), not a model.")
     with META:
         model = build()
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"fsdp1.plan: build() returned {type(model).__name__}; return the nn.Module to shard.")
     elsewhere = next(((name, p.device) for name, p in model.named_parameters() if p.device != META), None)
     if elsewhere is not None:
         raise ValueError(f"fsdp1.plan: build() put parameter {elsewhere[0]!r} on {elsewhere[1]}; the planner calls it "
@@ -213,7 +275,7 @@ def _meta_model(build: Callable[[], nn.Module]) -> nn.Module:
     return model
 
 
-def _no_fit_message(search: Search, dry_run: DryRun, shape: Shape, budget: int, usable: int) -> str:
+def _no_fit_message(search: Search, dry_run: DryRun, shape: Shape, budget: int, usable: int, notes: List[str]) -> str:
     smallest = search.smallest()
     ranks = _ranks_that_fit(dry_run, smallest, shape, usable)
     batch = _batch_that_fits(dry_run, smallest, shape, usable)
@@ -222,9 +284,11 @@ def _no_fit_message(search: Search, dry_run: DryRun, shape: Shape, budget: int, 
         ways.append(f"{ranks} ranks" + (" in shard groups" if shape.mesh_shape else ""))
     if batch:
         ways.append(f"a batch of {batch} a rank")
+    savers = "allow bfloat16, or use larger devices" if dry_run.device_type == "cpu" else \
+        "allow bfloat16 or CPU offload (and host memory), or use larger devices"
     what = ("It fits with " + " or with ".join(ways) + " (dry runs of those settings)." if ways else
-            "Neither more ranks (up to 8 times as many) nor batch 1 make it fit: allow bfloat16 or CPU offload, or use "
-            "larger devices.")
+            f"Neither more ranks (up to 8 times as many) nor batch 1 make it fit: {savers}.")
+    what += "".join(f" Note: {note}." for note in notes)
     return (f"fsdp1.plan: nothing fits {budget / GIB:.1f} GiB a device ({usable / GIB:.1f} GiB after headroom) on "
             f"{shape.world_size} ranks. The smallest peak any candidate reaches is {smallest.footprint.peak / GIB:.2f} GiB "
             f"({smallest.settings.describe(shape.num_blocks)}). {what}")

@@ -21,7 +21,6 @@ A 7B-parameter Llama plans in 12-18 dry runs of 2-3 seconds each. Each candidate
 with its peak and (when it fits) its cost, for the plan's table.
 """
 
-import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -65,16 +64,15 @@ class Search:
         self.dry_run, self.shape, self.api, self.usable, self.host_memory = dry_run, shape, api, usable, host_memory
         self.calibration, self.param_dtypes, self.allow_offload = calibration, param_dtypes, allow_offload
         self.measured: Dict[Settings, Candidate] = {}
-        self.seconds = 0.0
+        self.checkpointing_error: Optional[str] = None  # why checkpointing cannot run on this model
 
-    def run(self) -> List[Candidate]:
+    def run(self, use_orig_params: bool) -> List[Candidate]:
         """Every candidate measured, in the order measured."""
-        start = time.perf_counter()
         with fake_process_group(self.shape.world_size):
             for dtype in self.param_dtypes:
-                if not self._family(Settings(self.api, ShardingStrategy.FULL_SHARD, param_dtype=dtype)) and self._offload_useful():
-                    self._family(Settings(self.api, ShardingStrategy.FULL_SHARD, param_dtype=dtype, offload=True))
-        self.seconds = time.perf_counter() - start
+                base = Settings(self.api, ShardingStrategy.FULL_SHARD, param_dtype=dtype, use_orig_params=use_orig_params)
+                if not self._family(base) and self._offload_useful():
+                    self._family(base.replace(offload=True))
         return list(self.measured.values())
 
     def smallest(self) -> Candidate:
@@ -94,7 +92,7 @@ class Search:
     def _family(self, base: Settings) -> bool:
         """Measure the shardings of one precision and offload; whether any fits. The smallest candidate
         first: when it does not fit, nothing of the family does."""
-        smallest = self._shardings(base)[-1].replace(checkpointed=self.shape.num_blocks)
+        smallest = self._shardings(base)[-1].replace(checkpointed=self._most_checkpointed(base))
         if not self.measure(smallest).fits:
             return base.api == FSDP1 and self.measure(smallest.replace(backward_prefetch=None)).fits
         found = False
@@ -119,8 +117,17 @@ class Search:
 
     def _fewest_checkpointed(self, settings: Settings) -> Optional[Candidate]:
         """The candidate of ``settings``' sharding with the fewest blocks checkpointed that fits."""
-        n = self.shape.num_blocks
-        return self._smallest_fitting(lambda k: settings.replace(checkpointed=k), 0, n)
+        return self._smallest_fitting(lambda k: settings.replace(checkpointed=k), 0, self._most_checkpointed(settings))
+
+    def _most_checkpointed(self, settings: Settings) -> int:
+        """Every block, when checkpointing runs on this model (tried once, on the first candidate that
+        checkpoints); else none, and ``checkpointing_error`` says why."""
+        if self.checkpointing_error is None and not any(s.checkpointed for s in self.measured):
+            try:
+                self.measure(settings.replace(checkpointed=self.shape.num_blocks))
+            except Exception as error:  # e.g. a Transformers model that caches keys and values (T5's use_cache)
+                self.checkpointing_error = f"{type(error).__name__}: {str(error).strip().splitlines()[0]}"
+        return 0 if self.checkpointing_error else self.shape.num_blocks
 
     def _partly_gathered(self, base: Settings) -> bool:
         """With ``fully_shard``: the most blocks kept gathered that fit without checkpointing, when the
@@ -139,8 +146,8 @@ class Search:
         """The smallest ``k`` in [low, high] whose ``make(k)`` fits, peaks falling as ``k`` grows: the
         ends, then the line through the closest measured pair that brackets the budget."""
         below = self.measure(make(low))
-        if below.fits:
-            return below
+        if below.fits or high == low:
+            return below if below.fits else None
         above = self.measure(make(high))
         if not above.fits:
             return None

@@ -13,7 +13,7 @@ with a test of identity, so the blocks keep their names and the same call serves
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Type
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
 from torch import nn
@@ -41,7 +41,9 @@ class Settings:
     FULL_SHARD or SHARD_GRAD_OP, the ends of ``kept_gathered``); ``kept_gathered``: with
     ``fully_shard``, how many blocks, the last ones (their backward comes first), keep their
     parameters gathered from forward to backward (``reshard_after_forward=False``);
-    ``checkpointed``: how many blocks, the first ones, recompute their activations in backward."""
+    ``checkpointed``: how many blocks, the first ones, recompute their activations in backward;
+    ``use_orig_params``: FSDP1's, set when the model has frozen parameters (a unit may then mix
+    frozen and trainable ones)."""
 
     api: str
     strategy: ShardingStrategy
@@ -50,6 +52,7 @@ class Settings:
     param_dtype: Optional[torch.dtype] = None
     offload: bool = False
     backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE
+    use_orig_params: bool = False
 
     def replace(self, **changes: Any) -> "Settings":
         return dataclasses.replace(self, **changes)
@@ -71,10 +74,16 @@ class Settings:
         return ", ".join(parts)
 
 
-def find_blocks(model: nn.Module, block_classes: Optional[Sequence[Type[nn.Module]]]) -> Tuple[Type[nn.Module], ...]:
+def find_blocks(model: nn.Module, block_classes: Union[None, Type[nn.Module], Sequence[Type[nn.Module]]]
+                ) -> Tuple[Type[nn.Module], ...]:
     """The block classes: ``block_classes``, or the class of the children of the model's largest list
     of same-class modules (a transformer's layers), which may repeat elsewhere (T5's two stacks)."""
+    if isinstance(block_classes, type):
+        block_classes = [block_classes]
     if block_classes:
+        if not all(isinstance(c, type) and issubclass(c, nn.Module) for c in block_classes):
+            raise ValueError(f"fsdp1.plan: blocks={block_classes!r}; pass the module classes to make units of, "
+                             "e.g. blocks=[LlamaDecoderLayer].")
         return tuple(block_classes)
     best: Optional[Tuple[int, Type[nn.Module]]] = None
     for module in model.modules():
@@ -113,7 +122,7 @@ def apply(settings: Settings, model: nn.Module, classes: Tuple[Type[nn.Module], 
         model = FullyShardedDataParallel(
             model, auto_wrap_policy=ModuleWrapPolicy(set(classes)), sharding_strategy=settings.strategy,
             mixed_precision=_fsdp1_precision(settings), cpu_offload=CPUOffload(offload_params=settings.offload),
-            backward_prefetch=settings.backward_prefetch, **fsdp_kwargs)
+            backward_prefetch=settings.backward_prefetch, use_orig_params=settings.use_orig_params, **fsdp_kwargs)
     else:
         keep_from = len(blocks) - settings.kept_gathered
         precision = _fully_shard_precision(settings)
@@ -133,7 +142,7 @@ def code(settings: Settings, classes: Tuple[Type[nn.Module], ...], num_blocks: i
     names = ", ".join(c.__name__ for c in classes)
     lines = [f"from {classes[0].__module__} import {names}",
              "from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing",
-             "import fsdp1", "",
+             "import torch", "import fsdp1", "",
              f"blocks = [m for m in model.modules() if isinstance(m, ({names},))]"]
     mesh = ", mesh=mesh" if hybrid else ""
     if settings.api == FSDP1:
@@ -146,6 +155,8 @@ def code(settings: Settings, classes: Tuple[Type[nn.Module], ...], num_blocks: i
             arguments.append("cpu_offload=fsdp1.CPUOffload(offload_params=True)")
         if settings.backward_prefetch is not BackwardPrefetch.BACKWARD_PRE:
             arguments.append(f"backward_prefetch={_enum_code(settings.backward_prefetch)}")
+        if settings.use_orig_params:
+            arguments.append("use_orig_params=True")
         if hybrid:
             arguments.append("device_mesh=mesh")
         lines.append("model = fsdp1.FullyShardedDataParallel(model, " + ", ".join(arguments) + ")")
@@ -186,4 +197,5 @@ def settings_dict(settings: Settings) -> Dict[str, Any]:
             "kept_gathered": settings.kept_gathered,
             "param_dtype": None if settings.param_dtype is None else str(settings.param_dtype).removeprefix("torch."),
             "offload": settings.offload,
-            "backward_prefetch": None if settings.backward_prefetch is None else settings.backward_prefetch.name}
+            "backward_prefetch": None if settings.backward_prefetch is None else settings.backward_prefetch.name,
+            "use_orig_params": settings.use_orig_params}

@@ -41,19 +41,19 @@ PRESETS: Dict[str, Dict[str, Any]] = {
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    args = _parser().parse_args(argv)
-    build, loss = _model(args)
-    tokens = torch.zeros(args.batch, args.seq, dtype=torch.long)
-    calibration = None
-    if args.calibration:
-        with open(args.calibration) as f:
-            calibration = Calibration(**json.load(f)["calibration"])
+    parser = _parser()
+    args = parser.parse_args(argv)
+    build, loss, positions = _model(args, parser)
+    seq = args.seq or min(2048, positions or 2048)
+    if positions and seq > positions:
+        parser.error(f"--seq {seq} is longer than the model's {positions} positions")
+    tokens = torch.zeros(args.batch, seq, dtype=torch.long)
     try:
         result = plan(build, tokens, loss, world_size=args.world_size, device_memory=args.device_memory, api=args.api,
-                      mesh_shape=_mesh_shape(args.mesh), device_type=args.device_type,
+                      mesh_shape=_mesh_shape(args.mesh, parser), device_type=args.device_type,
                       param_dtypes=(None, torch.bfloat16) if args.bf16 else (None,), allow_offload=not args.no_offload,
                       host_memory=args.host_memory,
-                      headroom=args.headroom, calibration=calibration)
+                      headroom=args.headroom, calibration=_calibration(args.calibration, parser))
     except NoPlanFits as error:
         raise SystemExit(str(error))
     print(result)
@@ -64,19 +64,20 @@ def main(argv: Optional[List[str]] = None) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m fsdp1.plan", description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 2)[2])
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 1)[1])
     model = parser.add_mutually_exclusive_group(required=True)
     model.add_argument("--preset", choices=sorted(PRESETS), help="a public model size")
     model.add_argument("--config", help="a Transformers config.json (or the folder holding it)")
     model.add_argument("--model-type", help="a Transformers model type (llama, gpt2, ...), sized by --set")
     model.add_argument("--factory", help="module:function returning the model (built under the meta device)")
-    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config settings (with --model-type, --preset or --config)")
+    parser.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                        help="config settings (with --model-type, --preset or --config)")
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--device-memory", required=True, help="memory a device, e.g. 24GiB, 80GB")
     parser.add_argument("--api", choices=["FullyShardedDataParallel", "fully_shard"], default="FullyShardedDataParallel")
     parser.add_argument("--mesh", help="hybrid sharding: REPLICASxSHARD, e.g. 2x4")
     parser.add_argument("--batch", type=int, default=1, help="sequences a rank and step (default 1)")
-    parser.add_argument("--seq", type=int, default=2048, help="tokens a sequence (default 2048)")
+    parser.add_argument("--seq", type=int, help="tokens a sequence (default: 2048, or the model's positions if fewer)")
     parser.add_argument("--bf16", action="store_true", help="let the plan gather and compute in bfloat16 (fp32 reduction)")
     parser.add_argument("--no-offload", action="store_true", help="never offload to the CPU")
     parser.add_argument("--host-memory", help="what offload may keep in host memory a rank, e.g. 64GiB (default: unbounded)")
@@ -87,11 +88,18 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _model(args: argparse.Namespace) -> Tuple[Callable[[], nn.Module], Callable[[nn.Module, torch.Tensor], torch.Tensor]]:
+def _model(args: argparse.Namespace, parser: argparse.ArgumentParser
+           ) -> Tuple[Callable[[], nn.Module], Callable[[nn.Module, torch.Tensor], torch.Tensor], Optional[int]]:
+    """The model's factory, its loss, and how many positions it embeds (None when unknown)."""
     if args.factory:
-        module_name, _, function = args.factory.partition(":")
-        factory = getattr(importlib.import_module(module_name), function)
-        return factory, _logits_loss
+        module_name, colon, function = args.factory.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module_name), function) if colon else None
+        except (ImportError, AttributeError) as error:
+            parser.error(f"--factory {args.factory}: {error}")
+        if factory is None:
+            parser.error(f"--factory {args.factory}: pass module:function, e.g. mypackage.models:make_model")
+        return factory, _logits_loss, None
     from transformers import AutoConfig, AutoModelForCausalLM
 
     settings = dict(_setting(item) for item in args.set)
@@ -100,7 +108,8 @@ def _model(args: argparse.Namespace) -> Tuple[Callable[[], nn.Module], Callable[
     else:
         preset = dict(PRESETS[args.preset]) if args.preset else {"model_type": args.model_type}
         config = AutoConfig.for_model(preset.pop("model_type"), **{**preset, **settings})
-    return (lambda: AutoModelForCausalLM.from_config(config)), _causal_lm_loss
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    return (lambda: AutoModelForCausalLM.from_config(config)), _causal_lm_loss, positions
 
 
 def _causal_lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -121,11 +130,23 @@ def _setting(item: str) -> Tuple[str, Any]:
         return key, value
 
 
-def _mesh_shape(mesh: Optional[str]) -> Optional[Tuple[int, int]]:
+def _mesh_shape(mesh: Optional[str], parser: argparse.ArgumentParser) -> Optional[Tuple[int, int]]:
     if mesh is None:
         return None
     replicas, _, shard = mesh.lower().partition("x")
+    if not (replicas.isdigit() and shard.isdigit()):
+        parser.error(f"--mesh {mesh}: pass REPLICASxSHARD, e.g. 2x4")
     return int(replicas), int(shard)
+
+
+def _calibration(path: Optional[str], parser: argparse.ArgumentParser) -> Optional[Calibration]:
+    if path is None:
+        return None
+    try:
+        with open(path) as f:
+            return Calibration(**json.load(f)["calibration"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        parser.error(f"--calibration {path}: {error!r}; pass a file written by --json")
 
 
 if __name__ == "__main__":
