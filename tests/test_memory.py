@@ -73,7 +73,7 @@ def test_units_that_are_not_sharded_hold_no_parameter_copy_torchs_frees(variant)
     assert ours.peak <= theirs.peak, (ours, theirs)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2])  # the planner's tests cover 4 ranks and other models
 @pytest.mark.parametrize("variant", ["fsdp1_full", "fsdp1_grad_op", "fsdp1_no_shard", "fsdp1_fsdp2"])
 def test_estimator_predicts_the_measured_peak(variant, world_size):
     with fake_process_group(world_size):

@@ -8,7 +8,8 @@ Run it from the repository root. The budget is set halfway between FULL_SHARD's 
 and with every block checkpointed (or ``--budget-mib``), so the plan must trade speed for memory;
 the cost model is calibrated by the planner's own probe of this machine. Each rank builds every
 candidate that fits (and the bare model: forward and backward, no wrapper, the reference of the
-step ratio) and times them in interleaved rounds, as the benchmark does (the order rotates each
+step ratio; and again, as the A/A noise control) and times them in interleaved rounds, as the
+benchmark does (the order rotates each
 round, a barrier precedes each step, a step's time is the slowest rank's). Peaks are counted on
 each rank over two training steps of each candidate by ``LiveStorageTracker``.
 
@@ -32,7 +33,6 @@ from torch.nn import functional as F
 
 import fsdp1
 from fsdp1._planner.dry_run import DryRun, Workload, fake_process_group
-from fsdp1._planner.live_memory import LiveStorageTracker
 from fsdp1._planner.settings import Settings, blocks_of, find_blocks
 from fsdp1.plan import Plan
 
@@ -96,19 +96,12 @@ def _rank(rank: int, world_size: int, port: int, model: str, plan: Plan, rounds:
     fitting = [c.settings for c in plan.candidates if c.fits]
     peaks = {}
     for index, settings in enumerate(fitting):
-        with LiveStorageTracker() as tracker:
-            torch.manual_seed(0)
-            wrapped = dataclasses.replace(plan, settings=settings).apply(build())
-            optimizer = torch.optim.AdamW(wrapped.parameters())
-            tracker.reset_peak()
-            for _ in range(2):
-                loss(wrapped, tokens).backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-        peaks[index] = tracker.peak
-        del wrapped, optimizer
+        torch.manual_seed(0)
+        peaks[index] = dataclasses.replace(plan, settings=settings).measure_peak(build, tokens, loss)
     torch.manual_seed(0)
     runs: Dict[Any, Tuple[nn.Module, Any]] = {"bare": (build(), None)}
+    torch.manual_seed(0)
+    runs["bare_aa"] = (build(), None)  # the same again: the A/A noise control
     for index, settings in enumerate(fitting):
         torch.manual_seed(0)
         wrapped = dataclasses.replace(plan, settings=settings).apply(build())
@@ -146,7 +139,7 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--budget-mib", type=float)
     parser.add_argument("--bf16", action="store_true", help="let the plan choose bfloat16 too")
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps-per-round", type=int, default=3)
     parser.add_argument("--json", default="bench_out/plan_check.json")
     args = parser.parse_args()
@@ -179,6 +172,8 @@ def _report(plan: Plan, measured: Dict[str, Any], args: argparse.Namespace) -> N
         mine = per_round_median(measured["times"][str(index)])
         ratios.append(statistics.median(mine[r] / bare[r] for r in mine))
     fastest = min(ratios)
+    aa = per_round_median(measured["times"]["bare_aa"])
+    noise = [aa[r] / bare[r] for r in aa]
     rows = []
     print(f"\n{'candidate':46} {'peak MiB pred':>13} {'measured':>9} {'/':>6} {'ratio pred':>10} {'measured':>9}")
     for candidate, peak, ratio in zip(fitting, measured["peaks"], ratios):
@@ -194,11 +189,13 @@ def _report(plan: Plan, measured: Dict[str, Any], args: argparse.Namespace) -> N
     choice = ratios[[c.settings for c in fitting].index(plan.settings)]
     verdict = "the measured fastest" if choice == fastest else f"{choice / fastest - 1:.1%} slower than the measured fastest"
     print(f"\nThe plan's choice is {verdict} ({'within' if choice <= 1.05 * fastest else 'NOT within'} 5%). "
+          f"A/A (the bare model against itself, per round): {min(noise):.2f}-{max(noise):.2f}. "
           f"Step ratios are to the bare model's forward and backward on the same ranks; "
           f"costs calibrated on {plan.calibration.measured_on}.")
     with open(args.json, "w") as f:
         json.dump({"model": args.model, "api": args.api, "world_size": args.world_size, "budget": plan.device_memory,
-                   "calibration": plan.calibration.as_dict(), "rows": rows, "choice_over_fastest": choice / fastest}, f, indent=1)
+                   "calibration": plan.calibration.as_dict(), "rows": rows, "choice_over_fastest": choice / fastest,
+                   "aa": [min(noise), max(noise)]}, f, indent=1)
 
 
 if __name__ == "__main__":

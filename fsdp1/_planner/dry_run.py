@@ -179,8 +179,8 @@ class DryRun:
     def __init__(self, workload: Workload, classes: Tuple[Type[nn.Module], ...], device_type: str,
                  mesh_shape: Optional[Tuple[int, int]]) -> None:
         self.workload, self.classes, self.device_type, self.mesh_shape = workload, classes, device_type, mesh_shape
-        # Bytes sent do not depend on checkpointing (a recomputed block is still gathered), nor FLOPs on
-        # sharding: each is counted once, by the first run that needs it.
+        # Bytes sent do not depend on checkpointing (a recomputed block is not gathered again), nor FLOPs
+        # on sharding: each is counted once, by the first run that needs it.
         self._comm: Dict[Settings, Dict[str, int]] = {}
         self._flops: Dict[Tuple[int, int], int] = {}
 
@@ -209,13 +209,27 @@ class DryRun:
                 optimizer.zero_grad(set_to_none=True)
             total = tracker.peak
             peak = tracker.peak_without(host) if settings.offload else total
-            comm_key, flops_key = settings.replace(checkpointed=0), (settings.checkpointed, first_dim(batch))
-            if comm_key not in self._comm or flops_key not in self._flops:
+            comm_key, rows = settings.replace(checkpointed=0), first_dim(batch)
+            if comm_key not in self._comm or self._known_flops(settings.checkpointed, rows) is None:
                 with comm, flops:  # a step of its own: the FLOP counter keeps what checkpointing frees
                     self._backward(model, batch)
-                self._comm[comm_key], self._flops[flops_key] = dict(comm.payload), flops.get_total_flops()
+                self._comm[comm_key], self._flops[(settings.checkpointed, rows)] = dict(comm.payload), flops.get_total_flops()
         return Footprint(peak=peak, total=total, host=state if settings.offload else 0, state=state,
-                         comm=self._comm[comm_key], flops=self._flops[flops_key], held=sum(_local_numel(p) for p in params))
+                         comm=self._comm[comm_key], flops=self._known_flops(settings.checkpointed, rows) or 0,
+                         held=sum(_local_numel(p) for p in params))
+
+    def _known_flops(self, checkpointed: int, rows: int) -> Optional[int]:
+        """The FLOPs of a step checkpointing ``checkpointed`` blocks: counted, or on the line through two
+        counts of the same batch (each block checkpointed recomputes one block's forward)."""
+        if (checkpointed, rows) in self._flops:
+            return self._flops[(checkpointed, rows)]
+        counted = sorted(k for k, r in self._flops if r == rows)
+        below, above = [k for k in counted if k < checkpointed], [k for k in counted if k > checkpointed]
+        if not below or not above:
+            return None
+        low, high = below[-1], above[0]
+        f_low, f_high = self._flops[(low, rows)], self._flops[(high, rows)]
+        return f_low + (f_high - f_low) * (checkpointed - low) // (high - low)
 
     def _backward(self, model: nn.Module, batch: Any) -> None:
         loss = self.workload.loss(model, batch)

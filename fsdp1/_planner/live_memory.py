@@ -99,11 +99,13 @@ class LiveStorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        inputs = {s._cdata for s in storages((args, kwargs))}
         out = func(*args, **kwargs)
-        for storage in storages(out):
-            if storage._cdata not in inputs:
-                self._track(storage)
+        untracked = [s for s in storages(out) if s._cdata not in self._nbytes]  # views and in-place results are not
+        if untracked:
+            inputs = {s._cdata for s in storages((args, kwargs))}  # an input that predates the tracker is not new
+            for storage in untracked:
+                if storage._cdata not in inputs:
+                    self._track(storage)
         return out
 
     def _track(self, storage: torch.UntypedStorage) -> None:

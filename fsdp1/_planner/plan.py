@@ -20,7 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .cost import Calibration, OptimizerKind, dtype_name, reference_seconds
-from .dry_run import META, DryRun, Workload, fake_process_group, first_dim
+from .dry_run import META, STEPS, DryRun, Footprint, Workload, fake_process_group, first_dim
+from .live_memory import LiveStorageTracker
 from .search import Candidate, Search, Shape
 from .settings import APIS, FSDP1, Settings, apply, blocks_of, code, find_blocks, settings_dict
 
@@ -79,6 +80,22 @@ class Plan:
 
             mesh = init_device_mesh(self.device_type, self.mesh_shape)
         return apply(self.settings, model, self.block_classes, mesh, **fsdp_kwargs)
+
+    def measure_peak(self, build: Callable[[], nn.Module], batch: Any, loss: Callable[[nn.Module, Any], torch.Tensor],
+                     optimizer: Optional[Callable[[Any], torch.optim.Optimizer]] = None, **fsdp_kwargs: Any) -> int:
+        """The peak of two real training steps of ``build()`` sharded by this plan, counted on this
+        rank as the dry run counts: the check of ``peak``, on the job's ranks after
+        ``init_process_group`` (a gloo worker thread may keep a finished collective's tensors alive a
+        moment longer, so a real group can count a few kilobytes more)."""
+        with LiveStorageTracker() as tracker:
+            model = self.apply(build(), **fsdp_kwargs)
+            optim = (optimizer or torch.optim.AdamW)(model.parameters())
+            tracker.reset_peak()
+            for _ in range(STEPS):
+                loss(model, batch).backward()
+                optim.step()
+                optim.zero_grad(set_to_none=True)
+        return tracker.peak
 
     def code(self) -> str:
         """The calls ``apply`` makes, as Python to paste after the model (and mesh) are built."""
@@ -277,8 +294,8 @@ def _meta_model(build: Callable[[], nn.Module]) -> nn.Module:
 
 def _no_fit_message(search: Search, dry_run: DryRun, shape: Shape, budget: int, usable: int, notes: List[str]) -> str:
     smallest = search.smallest()
-    ranks = _ranks_that_fit(dry_run, smallest, shape, usable)
-    batch = _batch_that_fits(dry_run, smallest, shape, usable)
+    ranks = _ranks_that_fit(dry_run, smallest, shape, search.fits)
+    batch = _batch_that_fits(dry_run, smallest, shape, search.fits)
     ways = []
     if ranks:
         ways.append(f"{ranks} ranks" + (" in shard groups" if shape.mesh_shape else ""))
@@ -289,12 +306,20 @@ def _no_fit_message(search: Search, dry_run: DryRun, shape: Shape, budget: int, 
     what = ("It fits with " + " or with ".join(ways) + " (dry runs of those settings)." if ways else
             f"Neither more ranks (up to 8 times as many) nor batch 1 make it fit: {savers}.")
     what += "".join(f" Note: {note}." for note in notes)
-    return (f"fsdp1.plan: nothing fits {budget / GIB:.1f} GiB a device ({usable / GIB:.1f} GiB after headroom) on "
-            f"{shape.world_size} ranks. The smallest peak any candidate reaches is {smallest.footprint.peak / GIB:.2f} GiB "
-            f"({smallest.settings.describe(shape.num_blocks)}). {what}")
+    reached = (f"The smallest peak any candidate reaches is {_size(smallest.footprint.peak)} "
+               f"({smallest.settings.describe(shape.num_blocks)})")
+    if smallest.footprint.peak <= usable:  # it fits the device: host memory is what it lacks
+        reached += (f", which fits, but keeps {_size(smallest.footprint.host)} a rank in host memory, over the "
+                    f"{_size(search.host_memory or 0)} of host_memory")
+    return (f"fsdp1.plan: nothing fits {_size(budget)} a device ({_size(usable)} after headroom) on "
+            f"{shape.world_size} ranks. {reached}. {what}")
 
 
-def _ranks_that_fit(dry_run: DryRun, smallest: Candidate, shape: Shape, usable: int) -> Optional[int]:
+def _size(nbytes: int) -> str:
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.2f} MiB"
+
+
+def _ranks_that_fit(dry_run: DryRun, smallest: Candidate, shape: Shape, fits: Callable[[Footprint], bool]) -> Optional[int]:
     """The fewest ranks (a multiple of the world size, up to 8 times it) on which the smallest candidate fits."""
     for factor in (2, 4, 8):
         replicas = shape.mesh_shape[0] if shape.mesh_shape else 1
@@ -302,18 +327,18 @@ def _ranks_that_fit(dry_run: DryRun, smallest: Candidate, shape: Shape, usable: 
         mesh = (replicas, world // replicas) if shape.mesh_shape else None
         bigger = DryRun(dry_run.workload, dry_run.classes, dry_run.device_type, mesh)
         with fake_process_group(world):
-            if bigger.measure(smallest.settings).peak <= usable:
+            if fits(bigger.measure(smallest.settings)):
                 return world
     return None
 
 
-def _batch_that_fits(dry_run: DryRun, smallest: Candidate, shape: Shape, usable: int) -> Optional[int]:
+def _batch_that_fits(dry_run: DryRun, smallest: Candidate, shape: Shape, fits: Callable[[Footprint], bool]) -> Optional[int]:
     """The largest batch a rank (halving the example's first dimension) on which the smallest candidate fits."""
     full = first_dim(dry_run.workload.batch)
     fraction = 0.5
     with fake_process_group(shape.world_size):
         while full and int(full * fraction) >= 1:
-            if dry_run.measure(smallest.settings, dry_run.workload.scaled_batch(fraction)).peak <= usable:
+            if fits(dry_run.measure(smallest.settings, dry_run.workload.scaled_batch(fraction))):
                 return int(full * fraction)
             fraction /= 2
     return None

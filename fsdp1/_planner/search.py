@@ -81,10 +81,13 @@ class Search:
     def measure(self, settings: Settings) -> Candidate:
         if settings not in self.measured:
             footprint = self.dry_run.measure(settings)
-            fits = footprint.peak <= self.usable and (self.host_memory is None or footprint.host <= self.host_memory)
+            fits = self.fits(footprint)
             cost = step_cost(settings, footprint, self.calibration, self.shape.shard_size) if fits else None
             self.measured[settings] = Candidate(settings, footprint, fits, cost)
         return self.measured[settings]
+
+    def fits(self, footprint: Footprint) -> bool:
+        return footprint.peak <= self.usable and (self.host_memory is None or footprint.host <= self.host_memory)
 
     def _offload_useful(self) -> bool:
         return self.allow_offload and self.dry_run.device_type != "cpu"  # on a CPU the host is the device
