@@ -22,16 +22,29 @@ pytest.importorskip("lightning")
 pytest.importorskip("transformers")
 
 
-def _run(tmp_path, launch, script, *args, fsdp1=True, env=None):
-    """``launch`` (a launcher's command) running ``script`` with ``args``, through ``-m fsdp1.run`` when
-    ``fsdp1``, with ``env`` added to the environment; what the script recorded."""
-    record = tmp_path / f"record_{len(list(tmp_path.iterdir()))}.json"
-    env = {**os.environ, **(env or {}), "RECORD_TO": str(record), "OMP_NUM_THREADS": "1",
+def _start(folder, launch, script, *args, fsdp1=True, env=None):
+    """``launch`` (a launcher's command) starting ``script`` with ``args`` in ``folder``, through
+    ``-m fsdp1.run`` when ``fsdp1``, with ``env`` added to the environment."""
+    folder.mkdir()
+    env = {**os.environ, **(env or {}), "RECORD_TO": str(folder / "record.json"), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(SCRIPTS / "cpu_fsdp"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
     command = [*launch, *(["-m", "fsdp1.run"] if fsdp1 else []), str(SCRIPTS / script), *args]
-    run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
-    return json.loads(record.read_text())
+    return subprocess.Popen(command, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _run_both(tmp_path, script, ours, theirs):
+    """fsdp1's run and torch's of ``script`` at once (each mostly imports its clients), each in a folder
+    of its own; ``ours`` and ``theirs``: (launch, args, env). What each script recorded."""
+    started = [_start(tmp_path / name, launch, script, *args, fsdp1=name == "fsdp1", env=env)
+               for name, (launch, args, env) in (("fsdp1", ours), ("torch", theirs))]
+    try:
+        outputs = [run.communicate(timeout=300) for run in started]
+    finally:
+        for run in started:
+            run.kill()
+    for run, (out, err) in zip(started, outputs):
+        assert run.returncode == 0, out[-3000:] + err[-6000:]
+    return [json.loads((tmp_path / name / "record.json").read_text()) for name in ("fsdp1", "torch")]
 
 
 def _torchrun():
@@ -44,18 +57,19 @@ TRAINER_ARGS = ["--use_cpu", "--max_steps", "3", "--per_device_train_batch_size"
 
 
 def test_a_transformers_trainer_script_with_its_fsdp_options(tmp_path):
-    args = ["--output_dir", str(tmp_path / "out"), *TRAINER_ARGS]
-    ours = _run(tmp_path, _torchrun(), "trainer_train.py", *args)
-    theirs = _run(tmp_path, _torchrun(), "trainer_train.py", *args, fsdp1=False)
+    args = ["--output_dir", "out", *TRAINER_ARGS]
+    ours, theirs = _run_both(tmp_path, "trainer_train.py", (_torchrun(), args, None), (_torchrun(), args, None))
     assert ours["engines"] == ["fsdp1:FSDPModule"]  # Transformers 5 shards with fully_shard by default
     assert theirs["engines"] == ["torch:FSDPModule"]
     assert len(ours["losses"]) == 3 and ours["losses"] == theirs["losses"]
 
 
 def test_an_accelerate_script_under_an_fsdp_version_2_config(tmp_path):
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(SCRIPTS / "fsdp2.yaml")]
-    ours = _run(tmp_path, launch, "accelerate_train.py")
-    theirs = _run(tmp_path, launch, "accelerate_train.py", fsdp1=False)
+    def launch():
+        return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(SCRIPTS / "fsdp2.yaml"),
+                "--main_process_port", str(_free_port())]
+
+    ours, theirs = _run_both(tmp_path, "accelerate_train.py", (launch(), [], None), (launch(), [], None))
     assert ours["engines"] == ["fsdp1:FSDPModule"]
     assert theirs["engines"] == ["torch:FSDPModule"]
     assert len(ours["losses"]) == 4 and ours["losses"] == theirs["losses"]
@@ -66,8 +80,8 @@ def test_a_lightning_trainer_with_fsdp_strategy_and_with_model_parallel_strategy
     for an accelerator), so ``FSDPStrategy`` is held to torch's ``fully_shard`` under
     ``ModelParallelStrategy`` on the same model and data (Lightning's DDP gives the same losses too).
     The script trains with each strategy it is given in turn."""
-    ours = _run(tmp_path, _torchrun(), "lightning_train.py", "fsdp", "model_parallel")
-    theirs = _run(tmp_path, _torchrun(), "lightning_train.py", "model_parallel", fsdp1=False)
+    ours, theirs = _run_both(tmp_path, "lightning_train.py", (_torchrun(), ["fsdp", "model_parallel"], None),
+                             (_torchrun(), ["model_parallel"], None))
     assert ours["engines"] == ["fsdp1:FSDPModule", "fsdp1:FullyShardedDataParallel"]
     assert theirs["engines"] == ["torch:FSDPModule"]
     losses = theirs["losses"]["model_parallel"]
@@ -77,9 +91,8 @@ def test_a_lightning_trainer_with_fsdp_strategy_and_with_model_parallel_strategy
 def test_ranks_the_script_spawns_itself_train_on_fsdp1(tmp_path):
     """torch's FSDP tutorial starts its ranks with ``mp.spawn``: fresh interpreters, which the
     launcher reaches through their PYTHONPATH (they trained on torch's FSDP, silently)."""
-    env = {"MASTER_PORT": str(_free_port())}
-    ours = _run(tmp_path, [sys.executable], "spawn_train.py", env=env)
-    theirs = _run(tmp_path, [sys.executable], "spawn_train.py", fsdp1=False, env=env)
+    ours, theirs = _run_both(tmp_path, "spawn_train.py", ([sys.executable], [], {"MASTER_PORT": str(_free_port())}),
+                             ([sys.executable], [], {"MASTER_PORT": str(_free_port())}))
     assert ours["engines"] == ["fsdp1:FullyShardedDataParallel"]
     assert theirs["engines"] == ["torch:FullyShardedDataParallel"]
     assert len(ours["losses"]) == 3 and ours["losses"] == theirs["losses"]
@@ -102,17 +115,19 @@ def test_a_module_runs_as_python_dash_m_runs_it(tmp_path):
     (tmp_path / "app").mkdir()
     (tmp_path / "app" / "__main__.py").write_text("import sys\nprint(__file__)\nsys.exit(3)\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    run = subprocess.run([sys.executable, "-m", "fsdp1.run", "-m", "which_fsdp", "--lr", "3"], cwd=tmp_path,
-                         env=env, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.split()[:2] == ["fsdp1._wrapper.fully_sharded_data_parallel", "fsdp1._fully_shard.fully_shard"]
-    assert "'--lr', '3']" in run.stdout and run.stdout.rstrip().endswith("__main__")
-    run = subprocess.run([sys.executable, "-m", "fsdp1.run", "app"], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=120)
-    assert run.returncode == 3 and run.stdout.strip() == str(tmp_path / "app" / "__main__.py")
-    run = subprocess.run([sys.executable, "-m", "fsdp1.run", "-m", "no_such_module"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 1 and run.stderr.strip() == f"fsdp1.run: no module named 'no_such_module' (from {tmp_path})."
+    calls = [["-m", "which_fsdp", "--lr", "3"], ["app"], ["-m", "no_such_module"]]
+    started = [subprocess.Popen([sys.executable, "-m", "fsdp1.run", *call], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True) for call in calls]  # at once: each mostly imports
+    try:
+        (module, module_err), (folder, _), (_, missing) = [run.communicate(timeout=120) for run in started]
+    finally:
+        for run in started:
+            run.kill()
+    assert started[0].returncode == 0, module_err
+    assert module.split()[:2] == ["fsdp1._wrapper.fully_sharded_data_parallel", "fsdp1._fully_shard.fully_shard"]
+    assert "'--lr', '3']" in module and module.rstrip().endswith("__main__")
+    assert started[1].returncode == 3 and folder.strip() == str(tmp_path / "app" / "__main__.py")
+    assert started[2].returncode == 1 and missing.strip() == f"fsdp1.run: no module named 'no_such_module' (from {tmp_path})."
 
 
 @pytest.mark.parametrize("args, code, says", [([], 2, "usage: python -m fsdp1.run SCRIPT"),

@@ -47,7 +47,7 @@ class Calibration:
     """Rates of one machine, in units per second (``optimizer_s_per_element``: seconds per element),
     and where they were measured."""
 
-    matmul_flops: Dict[str, float]  # by dtype name: "float32", "bfloat16"
+    matmul_flops: Dict[str, float]  # by dtype name: "float32", "bfloat16", "float16"
     collective_bytes: float  # bytes one rank sends per second in an all-gather
     overlap: float  # the share of an all-gather a concurrent matmul hides, 0 to 1
     optimizer_s_per_element: float
