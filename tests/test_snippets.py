@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -33,13 +34,28 @@ def test_every_python_block_compiles(where, code):
     compile(code, where, "exec")
 
 
-@pytest.mark.parametrize("where, code, on_ranks", [(w, c, r) for w, c, _, r in RUNNABLE], ids=[b[0] for b in RUNNABLE])
-def test_runnable_blocks_run(where, code, on_ranks, tmp_path):
-    script = tmp_path / "snippet.py"
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every runnable block started as it is first asked for, two at a time (each mostly imports), each
+    from an empty folder of its own: ``where`` -> its finished process, once waited for."""
+    pool = ThreadPoolExecutor(max_workers=2)
+    started = {where: pool.submit(_run, where, code, on_ranks, tmp_path_factory.mktemp("snippet"))
+               for where, code, _, on_ranks in RUNNABLE}
+    yield started
+    pool.shutdown(cancel_futures=True)
+
+
+def _run(where, code, on_ranks, folder):
+    script = folder / "snippet.py"
     script.write_text(code)
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"] if on_ranks else [sys.executable]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([*launch, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([*launch, str(script)], cwd=folder, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("where", [where for where, _, _, _ in RUNNABLE])
+def test_runnable_blocks_run(where, runs):
+    run = runs[where].result()
     assert run.returncode == 0, f"{where}:\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}"
 
 
