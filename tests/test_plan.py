@@ -218,8 +218,8 @@ def test_nothing_fits_names_the_smallest_peak_and_what_would_fit():
     assert smallest.footprint.peak > budget
     message = str(caught.value)
     assert f"{smallest.footprint.peak / 2**20:.2f} MiB" in message
-    batch = int(message.split("with a batch of ")[1].split()[0])
-    assert 1 <= batch < 4
+    batch = caught.value.batch
+    assert batch is not None and 1 <= batch < 4 and f"a batch of {batch} a rank" in message
     with fake_process_group(2):  # the batch it names does fit
         assert dry_run.measure(smallest.settings, tokens[:batch]).peak <= budget
 

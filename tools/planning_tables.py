@@ -37,15 +37,10 @@ def _row(preset: str, memory: int, dtype: Optional[torch.dtype], args: argparse.
                           param_dtypes=(dtype,), host_memory=args.host_memory, calibration=calibration)
     except NoPlanFits as error:
         smallest = error.smallest.footprint.peak / GIB
-        return f"| {preset} | {memory} | nothing fits (smallest peak {smallest:.1f} GiB) | | | | {_what_would_fit(error)} |"
+        ways = ([f"{error.ranks} ranks"] if error.ranks else []) + ([f"a batch of {error.batch}"] if error.batch else [])
+        return f"| {preset} | {memory} | nothing fits (smallest peak {smallest:.1f} GiB) | | | | {' or '.join(ways) or '-'} |"
     return (f"| {preset} | {memory} | {plan.settings.describe(plan.num_blocks)} | {plan.peak / GIB:.1f} | "
             f"{plan.host / GIB:.1f} | {plan.step_ratio:.2f} | {len(plan.candidates)} runs, {plan.seconds:.0f} s |")
-
-
-def _what_would_fit(error: NoPlanFits) -> str:
-    """What the error says would fit."""
-    message = str(error)
-    return message.split("It fits with ")[1].split(" (dry runs")[0] if "It fits with " in message else "-"
 
 
 def main() -> None:

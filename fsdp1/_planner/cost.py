@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Type
 import torch
 
 from .dry_run import Footprint
-from .settings import Settings
+from .settings import Settings, dtype_name
 
 
 @dataclass(frozen=True)
@@ -123,11 +123,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def dtype_name(dtype: Optional[torch.dtype]) -> str:
-    """The key of a compute dtype in ``Calibration.matmul_flops`` (None: full precision)."""
-    return "float32" if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def reference_seconds(flops: int, calibration: Calibration) -> float:

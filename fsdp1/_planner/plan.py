@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .cost import Calibration, OptimizerKind, dtype_name, reference_seconds
+from .cost import Calibration, OptimizerKind, reference_seconds
 from .dry_run import META, STEPS, DryRun, Footprint, Workload, fake_process_group, first_dim
 from .live_memory import LiveStorageTracker
 from .search import Candidate, Search, Shape
-from .settings import APIS, FSDP1, Settings, apply, blocks_of, code, find_blocks, settings_dict
+from .settings import APIS, FSDP1, Settings, apply, blocks_of, code, dtype_name, find_blocks, settings_dict
 
 GIB = 2**30
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -31,11 +31,12 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 
 class NoPlanFits(ValueError):
-    """No candidate fits the budget; ``smallest`` is the candidate with the lowest peak."""
+    """No candidate fits the budget; ``smallest`` is the candidate with the lowest peak, ``ranks`` and
+    ``batch`` what the dry runs of its settings found would fit (None where nothing tried did)."""
 
-    def __init__(self, message: str, smallest: Candidate) -> None:
+    def __init__(self, message: str, smallest: Candidate, ranks: Optional[int], batch: Optional[int]) -> None:
         super().__init__(message)
-        self.smallest = smallest
+        self.smallest, self.ranks, self.batch = smallest, ranks, batch
 
 
 @dataclass
@@ -199,7 +200,7 @@ def plan(
         "a Transformers model that caches keys and values needs use_cache=False in the loss's call"]
     fitting = [c for c in candidates if c.fits]
     if not fitting:
-        raise NoPlanFits(_no_fit_message(search, dry_run, shape, budget, usable, notes), search.smallest())
+        raise _no_fit(search, dry_run, shape, budget, usable, notes)
     plain = next(c for c in candidates if c.settings.checkpointed == 0)
     reference = reference_seconds(plain.footprint.flops, calibration)
     best = min(fitting, key=lambda c: c.cost.total if c.cost else float("inf"))
@@ -292,7 +293,8 @@ def _meta_model(build: Callable[[], nn.Module]) -> nn.Module:
     return model
 
 
-def _no_fit_message(search: Search, dry_run: DryRun, shape: Shape, budget: int, usable: int, notes: List[str]) -> str:
+def _no_fit(search: Search, dry_run: DryRun, shape: Shape, budget: int, usable: int, notes: List[str]) -> NoPlanFits:
+    """The error for a budget nothing fits: the smallest candidate, and the ranks or batch that would fit it."""
     smallest = search.smallest()
     ranks = _ranks_that_fit(dry_run, smallest, shape, search.fits)
     batch = _batch_that_fits(dry_run, smallest, shape, search.fits)
@@ -311,8 +313,8 @@ def _no_fit_message(search: Search, dry_run: DryRun, shape: Shape, budget: int, 
     if smallest.footprint.peak <= usable:  # it fits the device: host memory is what it lacks
         reached += (f", which fits, but keeps {_size(smallest.footprint.host)} a rank in host memory, over the "
                     f"{_size(search.host_memory or 0)} of host_memory")
-    return (f"fsdp1.plan: nothing fits {_size(budget)} a device ({_size(usable)} after headroom) on "
-            f"{shape.world_size} ranks. {reached}. {what}")
+    return NoPlanFits(f"fsdp1.plan: nothing fits {_size(budget)} a device ({_size(usable)} after headroom) on "
+                      f"{shape.world_size} ranks. {reached}. {what}", smallest, ranks, batch)
 
 
 def _size(nbytes: int) -> str:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .cost import OptimizerKind
+from .settings import dtype_name
 
 _PROBE_ELEMENTS = 1 << 20
 _GATHER_BYTES = 16 << 20
@@ -46,12 +47,12 @@ def _probe(device: torch.device, comm_device: torch.device, optimizer: Optimizer
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         a = torch.randn(size, size, device=device, dtype=dtype)
         seconds = _timed(device, lambda: a @ a, repeats=20 if device.type == "cuda" else 4)
-        flops[str(dtype).removeprefix("torch.")] = 2 * size**3 / seconds
+        flops[dtype_name(dtype)] = 2 * size**3 / seconds
     shard = torch.empty(_GATHER_BYTES // 8, device=comm_device)
     full = torch.empty(2 * shard.numel(), device=comm_device)
     gather = _timed(comm_device, lambda: dist.all_gather_into_tensor(full, shard), repeats=4)
     a = torch.randn(size, size, device=device)
-    matmuls = max(1, int(gather / _timed(device, lambda: a @ a, repeats=4)))
+    matmuls = max(1, int(gather * flops["float32"] / (2 * size**3)))  # about as long as the all-gather
     alone = _timed(device, lambda: [a @ a for _ in range(matmuls)], repeats=2)
 
     def together() -> None:

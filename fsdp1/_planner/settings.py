@@ -66,12 +66,17 @@ class Settings:
             sharding = self.strategy.name
         parts = [sharding, f"AC {self.checkpointed}/{blocks}"]
         if self.param_dtype is not None:
-            parts.append(str(self.param_dtype).removeprefix("torch."))
+            parts.append(dtype_name(self.param_dtype))
         if self.offload:
             parts.append("CPU offload")
         if self.api == FSDP1 and self.backward_prefetch is not BackwardPrefetch.BACKWARD_PRE:
             parts.append(f"backward_prefetch={_enum_code(self.backward_prefetch)}")
         return ", ".join(parts)
+
+
+def dtype_name(dtype: Optional[torch.dtype]) -> str:
+    """A compute dtype's name, the key of ``Calibration.matmul_flops`` (None: full precision, float32)."""
+    return "float32" if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def find_blocks(model: nn.Module, block_classes: Union[None, Type[nn.Module], Sequence[Type[nn.Module]]]
@@ -195,7 +200,7 @@ def settings_dict(settings: Settings) -> Dict[str, Any]:
     """The settings as plain data (for JSON output)."""
     return {"api": settings.api, "strategy": settings.strategy.name, "checkpointed": settings.checkpointed,
             "kept_gathered": settings.kept_gathered,
-            "param_dtype": None if settings.param_dtype is None else str(settings.param_dtype).removeprefix("torch."),
+            "param_dtype": None if settings.param_dtype is None else dtype_name(settings.param_dtype),
             "offload": settings.offload,
             "backward_prefetch": None if settings.backward_prefetch is None else settings.backward_prefetch.name,
             "use_orig_params": settings.use_orig_params}
