@@ -376,18 +376,20 @@ def test_a_divide_factor_of_zero_raises_torchs_error_when_it_is_set():
     assert theirs is not None and ours is not None and "pass the number of ranks" in ours
 
 
-def _all_reduce_hook(impl, device_type):
+def _all_reduce_hook(impl, device_type, with_stream):
     """A hook on the module's reduced gradient shard that doubles it, on a stream of the device's
-    own where it has streams: the gradients, the calls and the stream current during each call."""
+    own (``with_stream``) or the current one: the gradients, and for each call whether the stream
+    given was current."""
     shard = fully_shard_of(impl)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3)).to(device_type)
     shard(model)
-    stream = torch.cuda.Stream() if device_type == "cuda" else None
+    streams = torch.get_device_module(device_type)
+    stream = streams.Stream() if with_stream else None
     calls = []
 
     def hook(reduced):
-        calls.append(torch.cuda.current_stream() == stream if stream is not None else None)
+        calls.append(streams.current_stream() == stream if stream is not None else None)
         reduced.mul_(2)
 
     model.set_all_reduce_hook(hook, stream=stream)
@@ -399,15 +401,23 @@ def _all_reduce_hook(impl, device_type):
 
 def test_the_all_reduce_hook_sees_each_reduced_shard_as_torchs():
     """Once per backward, after the reduce-scatter, in place: gradients bitwise torch's."""
-    (ours, our_calls), (theirs, their_calls) = run_both(_all_reduce_hook, "cpu")
+    (ours, our_calls), (theirs, their_calls) = run_both(_all_reduce_hook, "cpu", False)
     assert same_tensors(ours, theirs)
     assert our_calls == their_calls == [None, None]
+
+
+def test_the_all_reduce_hook_runs_on_the_cpu_stream_it_was_given():
+    """``set_all_reduce_hook(hook, stream=torch.cpu.Stream())`` on a CPU mesh: the hook runs with that
+    stream current, as torch's does; the gradients are torch's."""
+    (ours, our_calls), (theirs, their_calls) = run_both(_all_reduce_hook, "cpu", True)
+    assert same_tensors(ours, theirs)
+    assert our_calls == their_calls == [True, True]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="streams need a GPU")
 def test_the_all_reduce_hook_runs_on_the_stream_it_was_given():
     """``set_all_reduce_hook(hook, stream=s)`` on a 1-D mesh: the hook runs with ``s`` current."""
-    (ours, our_calls), (theirs, their_calls) = run_both(_all_reduce_hook, "cuda", world_size=1)
+    (ours, our_calls), (theirs, their_calls) = run_both(_all_reduce_hook, "cuda", True, world_size=1)
     assert same_tensors(ours, theirs)
     assert our_calls == their_calls == [True, True]
 

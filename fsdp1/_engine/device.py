@@ -75,11 +75,16 @@ def run_on_stream(stream: Optional[Any], fn: Callable[[torch.Tensor], None], ten
     """``fn(tensor)`` with ``stream`` (a user's, or None: the current one) current on ``tensor``'s
     device: it first waits for the work queued so far, and the current stream waits for what ``fn``
     queued; ``tensor`` is marked used there, so that its memory is not reused before. On the CPU
-    there are no streams to order."""
-    if stream is None or tensor.device.type == "cpu":
+    there is nothing to order, but ``fn`` runs with the ``torch.cpu.Stream`` it was given current,
+    as torch's does."""
+    if stream is None:
         fn(tensor)
         return
     module = torch.get_device_module(tensor.device)
+    if tensor.device.type == "cpu":
+        with module.stream(stream):
+            fn(tensor)
+        return
     current = module.current_stream(tensor.device)
     stream.wait_stream(current)
     with module.stream(stream) if hasattr(module, "stream") else contextlib.nullcontext():
