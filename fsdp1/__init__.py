@@ -9,6 +9,7 @@ from ._engine.collectives import ProcessGroupBroken  # noqa: F401 - fsdp1's own,
 from ._engine.flat_parameter import FlatParameter  # noqa: F401 - importable, not in __all__, as in torch
 from ._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx
 from ._torch_alias import use_as_torch_fsdp  # noqa: F401 - fsdp1's own, so not in torch's __all__
+from ._torch_recognition import recognise_fsdp1_in_torch
 from ._torch_version import warn_if_untested
 from .api import (
     BackwardPrefetch,
@@ -34,6 +35,7 @@ from .fully_sharded_data_parallel import FullyShardedDataParallel, OptimStateKey
 from .plan import plan  # noqa: F401 - fsdp1's own, so not in torch's __all__ (and fsdp1.plan the package stays importable)
 
 warn_if_untested()
+recognise_fsdp1_in_torch()
 
 __version__ = "0.5.0"
 

@@ -1,9 +1,7 @@
-"""``use_as_torch_fsdp``: fsdp1's class under torch's names, for clients that construct and recognise
-FSDP units by torch's class (HF Accelerate, the Transformers Trainer, Lightning, torch's own
-``torch.distributed.checkpoint.state_dict`` helpers), and fsdp1's ``fully_shard``, ``FSDPModule``
-and policies where torch's FSDP2 names are (Accelerate's FSDP2 mode, the Trainer's default FSDP
-path and torchtitan-style scripts import them when they shard), torch's pipeline schedules
-included, which recognise a stage module by torch's ``FSDPModule``.
+"""``use_as_torch_fsdp``: fsdp1's class under torch's names, for clients that construct FSDP units by
+torch's class (HF Accelerate, the Transformers Trainer, Lightning), and fsdp1's ``fully_shard``,
+``FSDPModule`` and policies where torch's FSDP2 names are (Accelerate's FSDP2 mode, the Trainer's
+default FSDP path and torchtitan-style scripts import them when they shard).
 
 Those clients import ``FullyShardedDataParallel`` from ``torch.distributed.fsdp`` or from
 ``torch.distributed.fsdp.fully_sharded_data_parallel`` when they need it, and test
@@ -11,18 +9,18 @@ Those clients import ``FullyShardedDataParallel`` from ``torch.distributed.fsdp`
 the latter. So both module attributes are pointed at fsdp1's class, and put back on undo; likewise
 ``ShardedGradScaler``, which Lightning and Accelerate import from
 ``torch.distributed.fsdp.sharded_grad_scaler`` for fp16, so that what such a client builds is
-fsdp1's throughout. torch's ``torch.distributed.checkpoint.state_dict`` binds the class when it is
-imported and asks a private helper for each unit's FSDP state; both names there are replaced too.
+fsdp1's throughout. torch's own helpers that recognise FSDP modules (the pipeline schedules, the
+``torch.distributed.checkpoint.state_dict`` helpers) need no alias: ``import fsdp1`` gives them
+stand-ins that recognise both kinds (``_torch_recognition``), which read torch's originals through
+``torch_original`` where this alias put fsdp1's in their place.
 torch's ``wrap`` module is left alone: fsdp1 plans torch's policies as torch does, and torch's
 ``enable_wrap`` / ``wrap`` take any wrapper class, while torch's activation checkpointing imports
-its private helpers from there. This is the one place the library touches
-``torch.distributed.fsdp``, and only when asked: importing fsdp1 does not import it.
+its private helpers from there. This is the one place the library imports ``torch.distributed.fsdp``,
+and only when asked: importing fsdp1 does not import it.
 """
 
 import importlib
-from typing import Any, Callable, List, Optional, Tuple
-
-from torch import nn
+from typing import Any, List, Tuple
 
 from ._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx
 from .api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
@@ -46,29 +44,10 @@ FSDP2_NAMES = {
 }
 """fsdp1's FSDP2 names, each put where torch's of that name is (where the module has it)."""
 
-TORCH_STATE_DICT_HELPERS = "torch.distributed.checkpoint.state_dict"
-"""torch's ``get_state_dict`` / ``set_state_dict`` family, which binds the class at import."""
-
-TORCH_PIPELINING_MODULES = ("torch.distributed.pipelining.stage", "torch.distributed.pipelining.schedules")
-"""torch's pipeline stages and schedules, which bind ``FSDPModule``, ``UnshardHandle`` and
-``fully_shard`` when imported, to recognise a stage module as sharded and drive it (keep it gathered
-and its gradients unreduced across micro-batches, reduce them once at the end of the step)."""
-
-
-def _unit_state_or(torch_lookup: Callable[[nn.Module], Optional[Any]]) -> Callable[[nn.Module], Optional[Any]]:
-    """torch's "FSDP state of this fully sharded module" lookup, answering for fsdp1's units too:
-    a unit is its own state, as torch's wrapper is."""
-
-    def lookup(module: nn.Module) -> Optional[Any]:
-        return module if isinstance(module, FullyShardedDataParallel) else torch_lookup(module)
-
-    return lookup
-
 
 class use_as_torch_fsdp:  # noqa: N801 - used as a function, as torch's own context-manager functions are
-    """Make ``torch.distributed.fsdp.FullyShardedDataParallel`` (at both of its import paths, and in
-    ``torch.distributed.checkpoint.state_dict``) be fsdp1's class, torch's ``ShardedGradScaler``
-    fsdp1's, and ``torch.distributed.fsdp.fully_shard`` / ``FSDPModule`` / the FSDP2 policies
+    """Make ``torch.distributed.fsdp.FullyShardedDataParallel`` (at both of its import paths) be
+    fsdp1's class, torch's ``ShardedGradScaler`` fsdp1's, and ``torch.distributed.fsdp.fully_shard`` / ``FSDPModule`` / the FSDP2 policies
     fsdp1's, so that a client that builds and recognises FSDP units by torch's name uses fsdp1.
 
     Call it once before the client builds its model (``fsdp1.use_as_torch_fsdp()``), or use it as a
@@ -84,25 +63,29 @@ class use_as_torch_fsdp:  # noqa: N801 - used as a function, as torch's own cont
 
     def __init__(self) -> None:
         if not self._in_effect:
-            helpers = importlib.import_module(TORCH_STATE_DICT_HELPERS)  # first: it binds the class it finds
             replacements: List[Tuple[Any, str, Any]] = [
                 (importlib.import_module(name), "FullyShardedDataParallel", FullyShardedDataParallel)
                 for name in TORCH_FSDP_MODULES
             ]
-            lookup = "_get_module_fsdp_state_if_fully_sharded_module"
             replacements += [(module, "ShardedGradScaler", ShardedGradScaler)
                              for module in map(importlib.import_module, TORCH_SCALER_MODULES)
                              if hasattr(module, "ShardedGradScaler")]
             replacements += [(module, name, value) for module in map(importlib.import_module, TORCH_FSDP2_MODULES)
                              for name, value in FSDP2_NAMES.items() if hasattr(module, name)]
-            replacements += [(module, name, value) for module in map(importlib.import_module, TORCH_PIPELINING_MODULES)
-                             for name, value in FSDP2_NAMES.items() if hasattr(module, name)]
-            replacements += [(helpers, "FSDP", FullyShardedDataParallel),
-                             (helpers, lookup, _unit_state_or(getattr(helpers, lookup)))]
             for module, attribute, value in replacements:
                 self._torch_names.append((module, attribute, getattr(module, attribute)))
                 setattr(module, attribute, value)
         self._in_effect.append(self)
+
+    @classmethod
+    def torch_original(cls, module: Any, name: str) -> Any:
+        """What ``module`` binds as ``name``, or torch's object in its place where that is one this alias
+        put in torch's (a module imported while it was in effect bound fsdp1's)."""
+        value = getattr(module, name)
+        for replaced, attribute, original in cls._torch_names:
+            if getattr(replaced, attribute) is value:
+                return original
+        return value
 
     def __enter__(self) -> "use_as_torch_fsdp":
         return self

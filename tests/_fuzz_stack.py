@@ -1,9 +1,10 @@
 """The fuzzer's ``fully_shard`` stack cases and their runs: a case (plain JSON, drawn by
 ``test_fuzz.py``) is a stack of residual MLP blocks, a mesh (1-D, HSDP, dp × tp with a
 tensor-parallel plan, pp × dp with a pipeline schedule), a shard dim, a mixed precision, gradient
-accumulation and resharding, trained by fsdp1's ``fully_shard`` or by torch's (``case["impl"]``) on
-fresh forked ranks (``_fuzz.run_case``). The test holds fsdp1 to torch's outcome, bit for bit, on
-every case torch runs.
+accumulation, resharding after forward block by block and, for fsdp1, the import form (``import
+fsdp1`` alone or under ``use_as_torch_fsdp``), trained by fsdp1's ``fully_shard`` or by torch's
+(``case["impl"]``) on fresh forked ranks (``_fuzz.run_case``). The test holds fsdp1 to torch's
+outcome, bit for bit, on every case torch runs right.
 """
 
 import contextlib
@@ -34,12 +35,13 @@ class Residual(nn.Module):
         return x + self.down(torch.relu(self.up(x)))
 
 
-def _api(impl: str) -> Tuple[Callable[..., Any], Any, Callable[[], Any]]:
-    """``fully_shard``, ``MixedPrecisionPolicy`` and what makes torch's pipeline schedules drive them."""
-    if impl == "fsdp1":
+def _api(case: Dict[str, Any]) -> Tuple[Callable[..., Any], Any, Callable[[], Any]]:
+    """``fully_shard``, ``MixedPrecisionPolicy`` and the import form's context."""
+    if case["impl"] == "fsdp1":
         import fsdp1
 
-        return fsdp1.fully_shard, fsdp1.MixedPrecisionPolicy, fsdp1.use_as_torch_fsdp
+        return fsdp1.fully_shard, fsdp1.MixedPrecisionPolicy, (
+            fsdp1.use_as_torch_fsdp if case["form"] == "alias" else contextlib.nullcontext)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     return fully_shard, MixedPrecisionPolicy, contextlib.nullcontext
@@ -68,7 +70,7 @@ def _shard_kwargs(case: Dict[str, Any], mixed_precision: Any) -> Dict[str, Any]:
 
 def _run_stack(case: Dict[str, Any], rank: int) -> Dict[str, Any]:
     """The case's training on this rank: its losses and every parameter's full value after it."""
-    fully_shard, mixed_precision, recognised = _api(case["impl"])
+    fully_shard, mixed_precision, in_form = _api(case)
     mesh = _mesh(case)
     torch.manual_seed(case["seed"])
     blocks = [Residual(case["width"], case["hidden"]) for _ in range(case["blocks"])]
@@ -76,7 +78,7 @@ def _run_stack(case: Dict[str, Any], rank: int) -> Dict[str, Any]:
     dp_mesh = mesh["dp"] if case["mesh"] in ("dp_tp", "pp") else mesh
     dp_rank = {"1d": rank, "hsdp": rank, "dp_tp": rank // 2, "pp": rank % 2}[case["mesh"]]  # whose batch
     if case["mesh"] == "pp":
-        with recognised():
+        with in_form():
             return _run_pipeline(case, mesh, blocks, fully_shard, kwargs, dp_rank)
     if case["mesh"] == "dp_tp":
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -84,8 +86,8 @@ def _run_stack(case: Dict[str, Any], rank: int) -> Dict[str, Any]:
         for block in blocks:
             parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
     model = nn.Sequential(*blocks)
-    for block in model:
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=case["reshard_after_forward"], **kwargs)
+    for block, reshard in zip(model, case["reshard_after_forward"]):
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, **kwargs)
     fully_shard(model, mesh=dp_mesh, **kwargs)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses: List[float] = []
@@ -112,8 +114,8 @@ def _run_pipeline(case, mesh, blocks, fully_shard, kwargs, dp_rank) -> Dict[str,
     stages, modules = [], []
     for index in indices:
         module = nn.Sequential(*blocks[index * per_stage:(index + 1) * per_stage])
-        for block in module:
-            fully_shard(block, mesh=mesh["dp"], reshard_after_forward=case["reshard_after_forward"], **kwargs)
+        for block, reshard in zip(module, case["reshard_after_forward"][index * per_stage:]):
+            fully_shard(block, mesh=mesh["dp"], reshard_after_forward=reshard, **kwargs)
         modules.append(fully_shard(module, mesh=mesh["dp"], **kwargs))
         stages.append(PipelineStage(module, index, stage_count, torch.device("cpu"), group=mesh["pp"].get_group()))
     schedule = schedule_class(stages[0] if single else stages, n_microbatches=case["accumulate"] * 2,

@@ -1,12 +1,14 @@
 """Tests ``fsdp1.use_as_torch_fsdp`` with the clients that reach for torch's class by name, running
 their own code: HF Accelerate's ``save_fsdp_model`` / ``load_fsdp_model`` / ``save_fsdp_optimizer`` /
-``load_fsdp_optimizer`` and torch's own ``torch.distributed.checkpoint.state_dict`` helpers resume
-training bit for bit (FULL and SHARDED, both use_orig_params), the latter also from a checkpoint
-torch's FSDP1 wrote, and ``extract_model_from_parallel`` unwraps fsdp1's units. Accelerate only enters
+``load_fsdp_optimizer`` resume training bit for bit (FULL and SHARDED, both use_orig_params), and
+``extract_model_from_parallel`` unwraps fsdp1's units. torch's own ``torch.distributed.checkpoint.
+state_dict`` helpers, which recognise fsdp1's modules with or without the alias, give torch's keys
+and shards and resume bit for bit in both forms, also from a checkpoint torch's FSDP1 wrote. Accelerate only enters
 its FSDP mode on accelerators, so its functions are called directly here, with its plugin and a
 stand-in for the ``Accelerator`` (the attributes they read). And the code of PyTorch's FSDP tutorial
 (MNIST) as written, ranks seeded apart, trains as under torch's FSDP1, bit for bit."""
 
+import contextlib
 import functools
 import subprocess
 import sys
@@ -37,12 +39,6 @@ def test_use_as_torch_fsdp_puts_fsdp1_at_both_import_paths_and_back():
 
         assert ByPackage is ByModule is fsdp1.FullyShardedDataParallel
     assert torch_fsdp.FullyShardedDataParallel is torch_fsdp_module.FullyShardedDataParallel is original
-    import torch.distributed.checkpoint.state_dict as torch_state_dict_helpers
-
-    helpers_class = torch_state_dict_helpers.FSDP
-    with fsdp1.use_as_torch_fsdp():
-        assert torch_state_dict_helpers.FSDP is fsdp1.FullyShardedDataParallel
-    assert torch_state_dict_helpers.FSDP is helpers_class
     alias = fsdp1.use_as_torch_fsdp()  # the call form stays until undone
     assert torch_fsdp.FullyShardedDataParallel is fsdp1.FullyShardedDataParallel
     alias.undo()
@@ -61,14 +57,33 @@ def test_use_as_torch_fsdp_undone_in_any_order_restores_torchs_class_once_none_i
     assert torch_fsdp.FullyShardedDataParallel is original
 
 
-def test_use_as_torch_fsdp_leaves_torchs_names_in_helpers_it_imported_first():
-    """The alias imports torch's state-dict helpers itself before replacing the class, so undoing it
-    leaves them torch's class, not the fsdp1 class they would have bound on import."""
-    script = ("import fsdp1, torch.distributed.fsdp as f\n"
-              "with fsdp1.use_as_torch_fsdp(): pass\n"
-              "import torch.distributed.checkpoint.state_dict as helpers\n"
-              "assert helpers.FSDP is f.FullyShardedDataParallel is not fsdp1.FullyShardedDataParallel\n")
-    subprocess.run([sys.executable, "-c", script], check=True)
+def test_torchs_helpers_recognise_both_classes_whatever_the_import_order():
+    """torch's modules that recognise FSDP modules by class (the state-dict helpers, the pipeline
+    stages and schedules, ``_NamedOptimizer``) recognise torch's and fsdp1's once fsdp1 is imported:
+    imported before fsdp1, after it, or while the alias is in effect (binding fsdp1's names), and
+    after the alias is undone."""
+    check = ("import torch.distributed.fsdp as f\n"
+             "from torch.distributed.fsdp._fully_shard._fully_shard import FSDPModule as TorchModule\n"
+             "def recognised(helpers, stage, schedules, named):\n"
+             "    for cls in (helpers.FSDP, named.FSDP):\n"
+             "        assert issubclass(f.fully_sharded_data_parallel.FullyShardedDataParallel, cls)\n"
+             "        assert issubclass(fsdp1.FullyShardedDataParallel, cls)\n"
+             "    for cls in (stage.FSDPModule, schedules.FSDPModule):\n"
+             "        assert issubclass(TorchModule, cls) and issubclass(fsdp1.FSDPModule, cls)\n"
+             "    assert stage.fully_shard.state is not None\n")
+    modules = ("import torch.distributed.checkpoint.state_dict as helpers, torch.distributed.pipelining.stage as stage\n"
+               "import torch.distributed.pipelining.schedules as schedules, torch.distributed.optim.named_optimizer as named\n")
+    orders = {
+        "before": modules + "import fsdp1\n" + check + "recognised(helpers, stage, schedules, named)\n",
+        "after": "import fsdp1\n" + check + modules + "recognised(helpers, stage, schedules, named)\n",
+        "under the alias": ("import fsdp1\n" + check + "with fsdp1.use_as_torch_fsdp():\n    "
+                            + modules.replace("\nimport", "\n    import") + "recognised(helpers, stage, schedules, named)\n"),
+    }
+    runs = {order: subprocess.Popen([sys.executable, "-W", "ignore", "-c", script], stderr=subprocess.PIPE, text=True)
+            for order, script in orders.items()}
+    for order, run in runs.items():
+        _, stderr = run.communicate(timeout=120)
+        assert run.returncode == 0, (order, stderr[-2000:])
 
 
 def _accelerate_save_and_resume(kind, use_orig_params, directory):
@@ -101,10 +116,11 @@ def test_accelerate_saves_and_resumes_bitwise(kind, use_orig_params, tmp_path):
         assert unwrapped == "TinyGPT"
 
 
-def _dcp_helpers_save_and_resume(full, use_orig_params, directory):
+def _dcp_helpers_save_and_resume(full, use_orig_params, form, directory):
     """torch's FSDP1 trains 2 steps, saves through ``get_state_dict`` + ``dcp.save`` and trains on;
-    fsdp1, under the alias, resumes from that checkpoint through ``set_state_dict``, then saves and
-    resumes from its own. Returns torch's continuation and both of fsdp1's."""
+    fsdp1 (``import fsdp1`` alone, or under the alias) resumes from that checkpoint through
+    ``set_state_dict``, then saves and resumes from its own. Returns torch's continuation and both of
+    fsdp1's."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
@@ -128,7 +144,7 @@ def _dcp_helpers_save_and_resume(full, use_orig_params, directory):
     train_steps(theirs, their_optim, 0, 2)
     save(theirs, their_optim, f"{directory}/torch")
     their_continuation = train_steps(theirs, their_optim, 2, 2)
-    with fsdp1.use_as_torch_fsdp():
+    with fsdp1.use_as_torch_fsdp() if form == "alias" else contextlib.nullcontext():
         from_torch = resume(f"{directory}/torch")
         ours = wrap_fsdp1(make_gpt(), use_orig_params=use_orig_params)
         optim = adam(ours.parameters())
@@ -139,12 +155,54 @@ def _dcp_helpers_save_and_resume(full, use_orig_params, directory):
     return their_continuation, from_torch, uninterrupted, from_fsdp1
 
 
+@pytest.mark.parametrize("form", ["plain", "alias"])
 @pytest.mark.parametrize("use_orig_params", [False, True])
 @pytest.mark.parametrize("full", [True, False], ids=["full", "sharded"])
-def test_torch_state_dict_helpers_resume_bitwise_also_from_torchs_checkpoint(full, use_orig_params, tmp_path):
+def test_torch_state_dict_helpers_resume_bitwise_also_from_torchs_checkpoint(full, use_orig_params, form, tmp_path):
     for theirs, from_torch, uninterrupted, from_fsdp1 in run_on_ranks(2, _dcp_helpers_save_and_resume, full,
-                                                                      use_orig_params, str(tmp_path)):
+                                                                      use_orig_params, form, str(tmp_path)):
         assert from_torch == theirs == uninterrupted == from_fsdp1
+
+
+def _local(value):
+    """A state-dict value's local part: a ShardedTensor's one shard, a DTensor's local tensor."""
+    if hasattr(value, "local_shards"):
+        return ("sharded", value.local_shards()[0].tensor if value.local_shards() else None)
+    if hasattr(value, "to_local"):
+        return ("sharded", value.to_local())
+    return ("whole", value)
+
+
+def _helpers_state_dicts(impl, use_orig_params, form):
+    """Two steps, then ``get_state_dict``: the model's and the optimizer's keys, each value's kind
+    and local part."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    wrap = wrap_fsdp1 if impl == "fsdp1" else wrap_torch_fsdp
+    with fsdp1.use_as_torch_fsdp() if form == "alias" else contextlib.nullcontext():
+        model = wrap(make_gpt(), use_orig_params=use_orig_params)
+        optim = adam(model.parameters())
+        train_steps(model, optim, 0, 2)
+        model_state, optim_state = get_state_dict(model, optim)
+    flat_optim = {f"{key}.{name}": value for key, state in optim_state["state"].items() for name, value in state.items()}
+    return ({key: _local(value) for key, value in model_state.items()}, {key: _local(value) for key, value in flat_optim.items()},
+            [group["params"] for group in optim_state["param_groups"]])
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_torch_state_dict_helpers_give_torchs_keys_and_shards_in_both_forms(use_orig_params):
+    """torch's ``get_state_dict`` on fsdp1's FSDP1 model, with ``import fsdp1`` alone and under the
+    alias: the model's and the optimizer's keys, which values are sharded, and every local shard equal
+    to what it gives for torch's FSDP1 (torch's ShardedTensors, fsdp1's DTensors: DCP's sharded forms
+    both). Unrecognised, the helpers gave full tensors and the wrapper's prefixes in the optimizer's keys."""
+    torchs = run_on_ranks(2, _helpers_state_dicts, "torch", use_orig_params, "plain")
+    for form in ("plain", "alias"):
+        for (model, optim, groups), (torch_model, torch_optim, torch_groups) in zip(
+                run_on_ranks(2, _helpers_state_dicts, "fsdp1", use_orig_params, form), torchs):
+            assert groups == torch_groups and list(model) == list(torch_model) and sorted(optim) == sorted(torch_optim), form
+            for ours, theirs in [(model, torch_model), (optim, torch_optim)]:
+                for key, (kind, local) in ours.items():
+                    assert kind == theirs[key][0] and torch.equal(local, theirs[key][1]), (form, key)
 
 
 def _upcast_after_wrapping(use_orig_params):

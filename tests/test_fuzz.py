@@ -10,9 +10,11 @@ fails. 30 cases here (the same 30 every run); ``make fuzz`` runs 500 and shrinks
 
 A second family fuzzes ``fully_shard`` in torch's training stack: meshes (1-D, HSDP, dp × tp with a
 tensor-parallel plan, pp × dp under each of torch's pipeline schedules) × ``Shard(d)`` placements ×
-bf16 × gradient accumulation × resharding, each case run by fsdp1 and by torch's ``fully_shard``:
-wherever torch's runs it, fsdp1's losses and parameters are torch's bit for bit. 6 cases here;
-``make fuzz`` runs 60.
+bf16 × gradient accumulation × resharding block by block × fsdp1's import form (``import fsdp1``
+alone, or under ``use_as_torch_fsdp``), each case run by fsdp1 and by torch's ``fully_shard``:
+wherever torch's runs it right, fsdp1's losses and parameters are torch's bit for bit; a schedule
+that splits backward over a block resharded after forward (torch's trains it silently wrong) is
+refused by fsdp1 on every rank. 6 cases here; ``make fuzz`` runs 60.
 """
 
 import os
@@ -148,18 +150,15 @@ def _stack_case(mesh: str):
         "shard_dim": st.just(0) if tensor_parallel else st.sampled_from([0, 0, 1]),
         "bf16": st.booleans(),
         "accumulate": st.integers(1, 2),
-        "reshard_after_forward": st.booleans(),
+        "reshard_after_forward": st.lists(st.booleans(), min_size=4, max_size=4),  # block by block
         "schedule": st.sampled_from(SCHEDULES) if pipelined else st.just(None),
-    }).map(_kept_gathered_under_a_split_backward)
+        "form": st.sampled_from(["plain", "alias"]),
+    })
 
 
-def _kept_gathered_under_a_split_backward(case):
-    """A schedule that splits backward over blocks resharded after forward is refused by fsdp1 and
-    trained silently wrong by torch's (``test_pipeline.py`` holds the refusal): such cases keep their
-    blocks gathered instead."""
-    if case["schedule"] in SCHEDULES[4:]:
-        return {**case, "reshard_after_forward": False}
-    return case
+def _splits_backward_over_resharded_blocks(case):
+    """torch's ``fully_shard`` trains such a case silently wrong; fsdp1 refuses it."""
+    return case["schedule"] in SCHEDULES[4:] and any(case["reshard_after_forward"][:case["blocks"]])
 
 
 stack_cases = st.sampled_from(["1d", "hsdp", "dp_tp", "pp"]).flatmap(_stack_case)
@@ -167,7 +166,10 @@ stack_cases = st.sampled_from(["1d", "hsdp", "dp_tp", "pp"]).flatmap(_stack_case
 
 @pytest.mark.filterwarnings("ignore")
 @example({"seed": 3, "mesh": "pp", "world_size": 4, "width": 5, "hidden": 7, "blocks": 4, "shard_dim": 1, "bf16": True,
-          "accumulate": 2, "reshard_after_forward": False, "schedule": "ScheduleZBVZeroBubble"})
+          "accumulate": 2, "reshard_after_forward": [False] * 4, "schedule": "ScheduleZBVZeroBubble", "form": "plain"})
+@example({"seed": 4, "mesh": "pp", "world_size": 4, "width": 3, "hidden": 5, "blocks": 4, "shard_dim": 0, "bf16": False,
+          "accumulate": 2, "reshard_after_forward": [False, False, False, True], "schedule": "ScheduleDualPipeV",
+          "form": "alias"})
 @settings(max_examples=STACK_EXAMPLES, deadline=None, derandomize=True, database=None, phases=PHASES,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(stack_cases)
@@ -177,6 +179,10 @@ def test_every_stack_case_torch_runs_is_torchs_bit_for_bit(case):
         result = run_case({**case, "impl": impl}, target=_fuzz_stack.rank_main)
         assert "hang" not in result and "crash" not in result, (impl, case, result)
         outcomes[impl] = result["outcomes"]
+    if _splits_backward_over_resharded_blocks(case):
+        assert all("splits backward into an input pass and a weight pass" in outcome.get("message", "")
+                   for outcome in outcomes["fsdp1"]), (case, outcomes["fsdp1"])
+        return
     if any("error" in outcome for outcome in outcomes["torch"]):
         return  # torch's does not run it: fsdp1 may run it or refuse it
     for rank, (ours, theirs) in enumerate(zip(outcomes["fsdp1"], outcomes["torch"])):

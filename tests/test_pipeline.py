@@ -1,16 +1,15 @@
 """Tests ``fully_shard`` stages under torch's pipeline schedules (``torch.distributed.pipelining``) on
-a (pp=2, dp=2) mesh, against torch's ``fully_shard`` doing the same: with ``use_as_torch_fsdp`` in
-effect the schedules recognise fsdp1's modules, keep them gathered and their gradients unreduced
-across the micro-batches and reduce once at the end of the step, so the losses, the parameters and
-the bytes gathered and reduced per step are torch's, the schedules that split backward into an
-input and a weight pass included; where such a split cannot reach the parameters (blocks resharded
-after forward, which torch's trains silently wrong) the step is refused. Also bf16, a Hugging Face
-GPT-2 cut into stages, tensor parallelism inside the stages on 8 ranks, and the warning for stages
-that do not recognise fsdp1's modules."""
+a (pp=2, dp=2) mesh, against torch's ``fully_shard`` doing the same, in both import forms (``import
+fsdp1`` alone, and under ``use_as_torch_fsdp``): the schedules recognise fsdp1's modules, keep them
+gathered and their gradients unreduced across the micro-batches and reduce once at the end of the
+step, so the losses, the parameters and the bytes gathered and reduced per step are torch's, the
+schedules that split backward into an input and a weight pass included; where such a split cannot
+reach the parameters (blocks resharded after forward, which torch's trains silently wrong) the
+schedule is refused before its first action, on every rank at once, however often it is tried.
+Also bf16, a Hugging Face GPT-2 cut into stages, tensor parallelism inside the stages on 8 ranks."""
 
 import contextlib
 import copy
-import warnings
 
 import pytest
 import torch
@@ -23,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 import fsdp1
 from fsdp1._planner.dry_run import CommBytes
 
-from _harness import RankFailure, run_on_ranks
+from _harness import run_on_ranks
 from _models import fully_shard_of, pipeline_step, stage_indices
 
 DIM, MICROBATCHES, STEPS = 7, 4, 3
@@ -86,9 +85,12 @@ def _shard_blocks(impl, mesh, reshard_blocks=False, **kwargs):
     return shard
 
 
-def _recognised(impl):
-    """fsdp1's modules recognised by torch's schedules: fsdp1's names in torch's place."""
-    return fsdp1.use_as_torch_fsdp() if impl == "fsdp1" else contextlib.nullcontext()
+FORMS = ["plain", "alias"]
+"""How a script reaches fsdp1: ``import fsdp1`` alone, or with ``use_as_torch_fsdp()`` in effect."""
+
+
+def _in_form(form):
+    return fsdp1.use_as_torch_fsdp() if form == "alias" else contextlib.nullcontext()
 
 
 def _mixed_precision(impl):
@@ -98,7 +100,7 @@ def _mixed_precision(impl):
     return {"mp_policy": policy(param_dtype=torch.bfloat16)}
 
 
-def _trained_pipeline(impl, schedule_name, variant="fp32"):
+def _trained_pipeline(impl, schedule_name, variant="fp32", form="plain"):
     """Three AdamW steps; per step the losses, then every parameter's full value and the bytes one
     rank sent in the second step's gathers and reductions. ``variant``: "bf16" (a bf16
     ``MixedPrecisionPolicy``), "resharded" (blocks resharded after forward), "checkpointed" (each
@@ -108,7 +110,7 @@ def _trained_pipeline(impl, schedule_name, variant="fp32"):
     blocks = [Residual(checkpointed=variant == "checkpointed") for _ in range(8)]
     kwargs = _mixed_precision(impl) if variant == "bf16" else {}
     shard = _shard_blocks(impl, mesh["dp"], reshard_blocks=variant == "resharded", **kwargs)
-    with _recognised(impl):
+    with _in_form(form):
         schedule, modules, is_first, is_last = _pipeline(impl, schedule_name, blocks, shard, mesh["pp"].get_group(), _mse)
         optims = [torch.optim.AdamW(module.parameters(), lr=1e-2) for module in modules]
         dp_rank = mesh["dp"].get_local_rank()
@@ -130,10 +132,11 @@ def _trained_pipeline(impl, schedule_name, variant="fp32"):
 
 @pytest.mark.parametrize("schedule_name", WHOLE_BACKWARD + SPLIT_BACKWARD)
 def test_schedules_train_as_torchs(schedule_name):
-    """Every schedule, the split ones included: losses and parameters bitwise torch's on every rank,
-    each stage gathered once and reduced once per step, so no more bytes than torch's (fsdp1 run as a
-    plain module gathered and reduced once per micro-batch: 4.5 times torch's bytes here)."""
-    _assert_trained_as_torchs(schedule_name, "fp32")
+    """Every schedule, the split ones included, in both import forms: losses and parameters bitwise
+    torch's on every rank, each stage gathered once and reduced once per step, so no more bytes than
+    torch's (fsdp1 run as a plain module gathered and reduced once per micro-batch: 4.5 times torch's
+    bytes here, and a split backward computed no weight gradient)."""
+    _assert_trained_as_torchs(schedule_name, "fp32", forms=FORMS)
 
 
 @pytest.mark.parametrize("schedule_name, variant", [("Schedule1F1B", "bf16"), ("ScheduleInterleavedZeroBubble", "bf16"),
@@ -151,36 +154,62 @@ def test_schedule_variants_train_as_torchs(schedule_name, variant):
     _assert_trained_as_torchs(schedule_name, variant)
 
 
-def _assert_trained_as_torchs(schedule_name, variant):
-    ours = run_on_ranks(4, _trained_pipeline, "fsdp1", schedule_name, variant)
+def _assert_trained_as_torchs(schedule_name, variant, forms=("plain",)):
     torchs = run_on_ranks(4, _trained_pipeline, "torch", schedule_name, variant)
-    for (losses, values, sent), (torch_losses, torch_values, torch_sent) in zip(ours, torchs):
-        assert len(losses) == STEPS and all(len(step) in (0, MICROBATCHES) for step in losses)
-        assert all(torch.equal(a, b) for step, torch_step in zip(losses, torch_losses) for a, b in zip(step, torch_step))
-        assert all(torch.equal(a, b) for a, b in zip(values, torch_values))
-        assert 0 < sent <= torch_sent
+    for form in forms:
+        ours = run_on_ranks(4, _trained_pipeline, "fsdp1", schedule_name, variant, form)
+        for (losses, values, sent), (torch_losses, torch_values, torch_sent) in zip(ours, torchs):
+            assert len(losses) == STEPS and all(len(step) in (0, MICROBATCHES) for step in losses)
+            assert all(torch.equal(a, b) for step, torch_step in zip(losses, torch_losses) for a, b in zip(step, torch_step))
+            assert all(torch.equal(a, b) for a, b in zip(values, torch_values))
+            assert 0 < sent <= torch_sent, form
 
 
-def _split_backward_step(schedule_name):
+REFUSALS = 20
+
+
+def _refused_again_and_again(schedule_name, form, resharded_stage):
+    """The same pipeline built anew and stepped ``REFUSALS`` times, the blocks of stage
+    ``resharded_stage`` (every stage: None) resharded after forward: each step's refusal, and whether
+    every parameter and gradient was as before it."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     torch.manual_seed(0)
     blocks = [Residual() for _ in range(8)]
-    with fsdp1.use_as_torch_fsdp():
-        shard = _shard_blocks("fsdp1", mesh["dp"], reshard_blocks=True)
-        schedule, _, is_first, is_last = _pipeline("fsdp1", schedule_name, blocks, shard, mesh["pp"].get_group(), _mse)
-        inputs = targets = torch.randn(2 * MICROBATCHES, DIM)
-        pipeline_step(schedule, is_first, is_last, inputs, targets)
+    refusals, unchanged = [], True
+    with _in_form(form):
+        for _ in range(REFUSALS):
+            pp_rank, stage_count = mesh["pp"].get_local_rank(), 2 * len(stage_indices(schedule_name, 0, 2))
+
+            def shard(stage, index=iter(stage_indices(schedule_name, pp_rank, 2))):
+                reshard = resharded_stage in (None, next(index) % stage_count)
+                return _shard_blocks("fsdp1", mesh["dp"], reshard_blocks=reshard)(stage)
+
+            schedule, modules, is_first, is_last = _pipeline("fsdp1", schedule_name, blocks, shard, mesh["pp"].get_group(), _mse)
+            before = [param.detach().clone() for module in modules for param in module.parameters()]
+            inputs = targets = torch.randn(2 * MICROBATCHES, DIM)
+            with pytest.raises(NotImplementedError) as refused:
+                pipeline_step(schedule, is_first, is_last, inputs, targets)
+            refusals.append(str(refused.value))
+            after = [param for module in modules for param in module.parameters()]
+            unchanged &= all(param.grad is None and torch.equal(param.detach(), old) for param, old in zip(after, before))
+    return refusals, unchanged
 
 
-@pytest.mark.parametrize("schedule_name", SPLIT_BACKWARD[:1])  # the others refuse alike (the stack fuzzer keeps clear of it)
-def test_split_backward_over_resharded_blocks_is_refused(schedule_name):
+@pytest.mark.parametrize("schedule_name", SPLIT_BACKWARD)
+def test_split_backward_over_resharded_blocks_is_refused_on_every_rank(schedule_name):
     """Blocks resharded after forward hold no parameters a split backward's weight pass can reach
-    (torch's ``fully_shard`` then trains 0.02 off its own 1F1B after one step, silently): the first
-    step is refused before any gradient is reduced, naming the fix (the first rank to refuse ends the
-    others' wait for its messages)."""
-    with pytest.raises(RankFailure, match="splits backward into an input pass and a weight pass") as refused:
-        run_on_ranks(4, _split_backward_step, schedule_name)
-    assert "reshard_after_forward=False" in str(refused.value)
+    (torch's ``fully_shard`` then trains 0.02 off its own 1F1B after one step, silently): the
+    schedule is refused before its first action on every rank, naming the fix, with nothing changed;
+    20 times in a row with no hang (refused at the end of a step instead, DualPipeV's ranks stopped
+    at different actions and some waited for the others' messages), in both import forms, and where
+    only the last stage's blocks reshard (the ranks agree before any message)."""
+    for form, resharded_stage in [("plain", None), ("alias", None), ("plain", -1)]:
+        last = None if resharded_stage is None else 2 * len(stage_indices(schedule_name, 0, 2)) - 1
+        for refusals, unchanged in run_on_ranks(4, _refused_again_and_again, schedule_name, form, last):
+            assert len(refusals) == REFUSALS and unchanged
+            assert all("splits backward into an input pass and a weight pass" in refusal
+                       and "reshard_after_forward=False" in refusal and "before its first action" in refusal
+                       for refusal in refusals)
 
 
 class _GPT2Stage(nn.Module):
@@ -216,35 +245,35 @@ def _trained_gpt2(impl, schedule_name):
     stage_count = 2 * len(indices)
     per_stage = config.n_layer // stage_count
     fully_shard = fully_shard_of(impl)
-    with _recognised(impl):
-        stages, modules = [], []
-        for index in indices:
-            module = _GPT2Stage(model, model.transformer.h[index * per_stage:(index + 1) * per_stage], index == 0,
-                                index == stage_count - 1)
-            for block in module.blocks:
-                fully_shard(block, mesh=mesh["dp"], reshard_after_forward=False)
-            modules.append(fully_shard(module, mesh=mesh["dp"]))
-            stages.append(PipelineStage(module, index, stage_count, torch.device("cpu"), group=mesh["pp"].get_group()))
-        schedule_class = getattr(schedules, schedule_name)
-        single = issubclass(schedule_class, schedules.PipelineScheduleSingle)
-        schedule = schedule_class(stages[0] if single else stages, n_microbatches=MICROBATCHES,
-                                  loss_fn=lambda logits, targets: F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
-        optims = [torch.optim.AdamW(module.parameters(), lr=1e-2) for module in modules]
-        losses = []
-        for step in range(STEPS):
-            tokens = torch.randint(0, 61, (2 * MICROBATCHES, 6), generator=torch.Generator().manual_seed(step + 10 * mesh["dp"].get_local_rank()))
-            losses.append(pipeline_step(schedule, 0 in indices, stage_count - 1 in indices, tokens, tokens))
-            for optim in optims:
-                optim.step()
-                optim.zero_grad()
-        values = [param.full_tensor().detach() for module in modules for param in module.parameters()]
+    stages, modules = [], []
+    for index in indices:
+        module = _GPT2Stage(model, model.transformer.h[index * per_stage:(index + 1) * per_stage], index == 0,
+                            index == stage_count - 1)
+        for block in module.blocks:
+            fully_shard(block, mesh=mesh["dp"], reshard_after_forward=False)
+        modules.append(fully_shard(module, mesh=mesh["dp"]))
+        stages.append(PipelineStage(module, index, stage_count, torch.device("cpu"), group=mesh["pp"].get_group()))
+    schedule_class = getattr(schedules, schedule_name)
+    single = issubclass(schedule_class, schedules.PipelineScheduleSingle)
+    schedule = schedule_class(stages[0] if single else stages, n_microbatches=MICROBATCHES,
+                              loss_fn=lambda logits, targets: F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
+    optims = [torch.optim.AdamW(module.parameters(), lr=1e-2) for module in modules]
+    losses = []
+    for step in range(STEPS):
+        tokens = torch.randint(0, 61, (2 * MICROBATCHES, 6), generator=torch.Generator().manual_seed(step + 10 * mesh["dp"].get_local_rank()))
+        losses.append(pipeline_step(schedule, 0 in indices, stage_count - 1 in indices, tokens, tokens))
+        for optim in optims:
+            optim.step()
+            optim.zero_grad()
+    values = [param.full_tensor().detach() for module in modules for param in module.parameters()]
     return losses, values
 
 
 @pytest.mark.parametrize("schedule_name", ["ScheduleInterleavedZeroBubble"])
 def test_hugging_face_gpt2_stages_train_as_torchs(schedule_name):
     """A GPT-2 cut into four stages (embeddings and a block; a block; a block; a block, the norm and
-    the head), each block sharded: three steps of a split-backward schedule bitwise torch's."""
+    the head), each block sharded, with ``import fsdp1`` alone: three steps of a split-backward
+    schedule bitwise torch's."""
     ours = run_on_ranks(4, _trained_gpt2, "fsdp1", schedule_name)
     torchs = run_on_ranks(4, _trained_gpt2, "torch", schedule_name)
     for (losses, values), (torch_losses, torch_values) in zip(ours, torchs):
@@ -260,18 +289,17 @@ def _trained_tensor_parallel_pipeline(impl):
     blocks = [Residual(hidden=16) for _ in range(4)]  # split evenly over tp: the stage's shape inference needs it
     for block in blocks:
         parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
-    with _recognised(impl):
-        schedule, modules, is_first, is_last = _pipeline(impl, "Schedule1F1B", blocks, _shard_blocks(impl, mesh["dp"]),
-                                                          mesh["pp"].get_group(), _mse)
-        optim = torch.optim.AdamW(modules[0].parameters(), lr=1e-2)
-        losses = []
-        for step in range(2):
-            generator = torch.Generator().manual_seed(100 * step + mesh["dp"].get_local_rank())
-            inputs, targets = torch.randn(2 * MICROBATCHES, DIM, generator=generator), torch.randn(2 * MICROBATCHES, DIM, generator=generator)
-            losses.append(pipeline_step(schedule, is_first, is_last, inputs, targets))
-            optim.step()
-            optim.zero_grad()
-        values = [param.full_tensor().detach() for param in modules[0].parameters()]
+    schedule, modules, is_first, is_last = _pipeline(impl, "Schedule1F1B", blocks, _shard_blocks(impl, mesh["dp"]),
+                                                      mesh["pp"].get_group(), _mse)
+    optim = torch.optim.AdamW(modules[0].parameters(), lr=1e-2)
+    losses = []
+    for step in range(2):
+        generator = torch.Generator().manual_seed(100 * step + mesh["dp"].get_local_rank())
+        inputs, targets = torch.randn(2 * MICROBATCHES, DIM, generator=generator), torch.randn(2 * MICROBATCHES, DIM, generator=generator)
+        losses.append(pipeline_step(schedule, is_first, is_last, inputs, targets))
+        optim.step()
+        optim.zero_grad()
+    values = [param.full_tensor().detach() for param in modules[0].parameters()]
     return losses, values
 
 
@@ -282,34 +310,3 @@ def test_tensor_parallel_stages_train_as_torchs():
     for (losses, values), (torch_losses, torch_values) in zip(ours, torchs):
         assert all(torch.equal(a, b) for step, torch_step in zip(losses, torch_losses) for a, b in zip(step, torch_step))
         assert all(torch.equal(a, b) for a, b in zip(values, torch_values))
-
-
-def _warnings_of_plain_stages():
-    """The same 1F1B pipeline with fsdp1's modules, once unrecognised and once recognised: the
-    warnings each first step raised."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    caught = []
-    for recognised in (False, True):
-        with fsdp1.use_as_torch_fsdp() if recognised else contextlib.nullcontext():
-            torch.manual_seed(0)
-            stage_module = fsdp1.fully_shard(nn.Sequential(Residual(), Residual()), mesh=mesh["dp"])
-            pp_rank = mesh["pp"].get_local_rank()
-            stage = PipelineStage(stage_module, pp_rank, 2, torch.device("cpu"), group=mesh["pp"].get_group())
-            schedule = Schedule1F1B(stage, n_microbatches=MICROBATCHES, loss_fn=_mse)
-            with warnings.catch_warnings(record=True) as during_step:
-                warnings.simplefilter("always")
-                inputs = targets = torch.randn(2 * MICROBATCHES, DIM)
-                pipeline_step(schedule, pp_rank == 0, pp_rank == 1, inputs, targets)
-            caught.append([str(warning.message) for warning in during_step if "fsdp1" in str(warning.message)])
-    return caught
-
-
-def test_stages_that_do_not_recognise_fsdp1_say_so():
-    """Without ``use_as_torch_fsdp`` torch's schedules run fsdp1's modules as plain modules (a split
-    backward then computes no weight gradient): the first forward under such a stage warns, naming
-    the fix, on every rank; recognised, nothing is said."""
-    for unrecognised, recognised in run_on_ranks(4, _warnings_of_plain_stages):
-        assert len(unrecognised) == 1 and "use_as_torch_fsdp()" in unrecognised[0]
-        assert recognised == []

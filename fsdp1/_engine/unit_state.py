@@ -354,6 +354,16 @@ class UnitState:
     def _reshards_after_forward(self) -> bool:
         return not torch.is_grad_enabled() or self.schedule.reshards_after_forward(bool(self.is_root))
 
+    def forwards_on_resting_params(self, is_root: bool) -> bool:
+        """Whether this unit's training forwards compute on the Parameters it holds while it rests
+        gathered, which a pipeline's weight pass finds: not where it reshards after forward, nor where
+        its views compute on tensor-parallel DTensors or what an all-gather extension made; a unit
+        with nothing to train misses nothing."""
+        handle = self.handle
+        if handle is None or not handle.flat_param.requires_grad:
+            return True
+        return not self.schedule.reshards_after_forward(is_root) and handle.views.computes_on_resting_params()
+
     # ----------------------------------------------------------------------------- backward
     def _pre_backward(self, grad: torch.Tensor) -> None:
         """First gradient of this backward reaching one of the unit's outputs: gather its parameters.

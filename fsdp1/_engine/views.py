@@ -215,6 +215,11 @@ class ParamViews(ABC):
         gathered by their all-gather extension, in place of their places in it (None: nothing)."""
         return None
 
+    def computes_on_resting_params(self) -> bool:
+        """Whether a forward may compute on the Parameters the modules hold while the unit rests
+        gathered (``resting_params_shown``), rather than on views of the flat parameter."""
+        return False
+
     def resting_params_shown(self, unsharded: torch.Tensor) -> Optional[List[nn.Parameter]]:
         """The unsharded Parameters over ``unsharded`` the modules hold while the unit rests gathered,
         if they hold them now and a forward may compute on them as leaves of the autograd graph (the

@@ -220,7 +220,7 @@ class DTensorParamViews(OrigParamViews):
         """Gathered outside a computation (``unshard()``, ``set_reshard_after_backward(False)``): the
         unsharded parameters, as Parameters outside autograd, as torch's FSDP2 registers them; the
         same objects each time where the next forward may compute on them (``resting_params_shown``)."""
-        if self._computes_on_resting_params():
+        if self.computes_on_resting_params():
             self.install(self._resting_params(unsharded, layout), as_parameters=True)
         else:
             self._install_full(layout.unflatten(unsharded.detach()))
@@ -234,7 +234,7 @@ class DTensorParamViews(OrigParamViews):
         if not self._shows_resting:
             self._install_full([view.detach() for view in self._installed])
 
-    def _computes_on_resting_params(self) -> bool:
+    def computes_on_resting_params(self) -> bool:
         """Whether a forward may compute on the resting Parameters themselves: not where it computes on
         a tensor-parallel DTensor made over a gathered view, nor on what an all-gather extension made."""
         return all(sharding.computing is None for sharding in self.shardings) and not any(

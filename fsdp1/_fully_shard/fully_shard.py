@@ -56,7 +56,7 @@ from .dtensor_views import DTensorParamViews
 from .extensions import GatherContext, has_extension
 from .module import FSDPModule, _fsdp_class
 from .param_sharding import DataParallelMesh, ParamSharding
-from .pipeline import StageReduction, watch_for_unrecognising_stage
+from .pipeline import StageReduction
 from .post_forward import PostForwardRows
 
 
@@ -103,7 +103,6 @@ def fully_shard(
               compute_device, replicated, also_hooked=modules[1:], output_dtype=policy.output_dtype)
     for each in modules:
         _become_a_unit(each, handle)
-    watch_for_unrecognising_stage(modules[0])
     return modules if isinstance(module, list) else module
 
 

@@ -12,17 +12,29 @@ them, with the stage module's units as its one group.
 
 A schedule that splits backward runs a weight pass after later forwards, on the parameters the
 modules hold: a unit resting gathered computes on resting Parameters that stay registered (see
-``DTensorParamViews``), whose gradients join the unit's here.
+``DTensorParamViews``), whose gradients join the unit's here. Where a unit's forwards compute on
+anything else, the weight pass cannot reach them: such a schedule is refused before its first action,
+on every rank of the pipeline at once (``refuse_split_backward_that_misses``).
 """
 
-import sys
-import warnings
-from typing import Any, Tuple
+from typing import List, Optional, Sequence, Tuple
 
+import torch
 from torch import nn
 
+from .._engine import collectives as comm
 from .._engine.unit_state import state_of, unit_states
 from .module import FSDPModule
+
+SPLIT_BACKWARD_REFUSAL = (
+    "fsdp1: a pipeline schedule that splits backward into an input pass and a weight pass "
+    "(ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV) computes the weight gradients on the "
+    "parameters the modules hold after the forward, and {missed} compute their forwards on views they do not hold "
+    "then (resharded after forward, or tensor-parallel DTensors, or all-gather extensions), so the step was refused "
+    "{when}. Pass reshard_after_forward=False to fully_shard for the modules of pipeline stages (torch's fully_shard "
+    "trains this case silently wrong), or use a schedule that runs whole backwards (ScheduleGPipe, Schedule1F1B, "
+    "ScheduleInterleaved1F1B, ScheduleLoopedBFS)."
+)
 
 
 class StageReduction:
@@ -55,20 +67,14 @@ class StageReduction:
         which that pass reaches; one resharded after forward (or computing on tensor-parallel
         DTensors, or on what an all-gather extension made) computed on views it no longer holds. That
         step is refused here, before any gradient is handed to an optimizer, and undone: every unit
-        sharded, its gradient as before the step."""
+        sharded, its gradient as before the step. The refusal before the first action
+        (``refuse_split_backward_that_misses``) foresees the cases known from the configuration; this
+        one catches the rest."""
         missed = [unit.path or "the stage module" for unit in self._units if unit.missed_parameters]
         if missed:
             self._root.root_state.recover()  # every unit sharded, its gradient as before the step
-            raise NotImplementedError(
-                f"fsdp1: the pipeline schedule's backward reached the outputs of {missed} but not their parameters: "
-                "a schedule that splits backward into an input pass and a weight pass (ScheduleInterleavedZeroBubble, "
-                "ScheduleZBVZeroBubble, ScheduleDualPipeV) computes the weight gradients on the parameters the modules "
-                "hold after the forward, and these were resharded after it (or compute on tensor-parallel DTensors or "
-                "all-gather extensions), so the step was undone before any gradient was reduced. Pass "
-                "reshard_after_forward=False to fully_shard for the modules of pipeline stages (torch's fully_shard "
-                "trains this case silently wrong), or use a schedule that runs whole backwards (ScheduleGPipe, "
-                "Schedule1F1B, ScheduleInterleaved1F1B, ScheduleLoopedBFS)."
-            )
+            raise NotImplementedError(SPLIT_BACKWARD_REFUSAL.format(
+                missed=missed, when="and undone before any gradient was reduced"))
         for unit in self._units:
             unit.take_resting_grads(reduce_now=True)  # what the micro-batches left on the resting Parameters
             if unit.handle is not None and unit.handle.grad.is_unreduced:
@@ -80,41 +86,22 @@ class StageReduction:
         self._root.root_state.finalize_backward()
 
 
-def watch_for_unrecognising_stage(module: nn.Module) -> None:
-    """Warn at ``module``'s first forward if a pipeline stage that does not recognise fsdp1's modules runs it."""
-    if _pipelining_would_not_recognise():
-        _UnrecognisedPipelineCheck(module)
+def refuse_split_backward_that_misses(stage_modules: Sequence[nn.Module], group: Optional[comm.ProcessGroup]) -> None:
+    """Before the first action of a schedule that splits backward: refuse it on every rank of its
+    pipeline ``group`` at once if a weight pass would miss the parameters of a unit of any stage on
+    any rank. Refused later, at the end of a step, some ranks would stop while the others wait for
+    their messages; so the ranks agree first, in one all-reduce that every rank reaches before any
+    of the schedule's messages."""
+    missed = [path for module in stage_modules if isinstance(module, FSDPModule) for path in _missed_by_weight_pass(module)]
+    anywhere = torch.tensor([float(bool(missed))])
+    comm.all_reduce_with(anywhere, group if group is not None else comm.default_group(), maximum=True).wait()
+    if anywhere.item():
+        raise NotImplementedError(SPLIT_BACKWARD_REFUSAL.format(
+            missed=missed or "modules of another rank's stages", when="before its first action, on every rank"))
 
 
-def _pipelining_would_not_recognise() -> bool:
-    """torch's pipeline stages are imported and bound torch's ``FSDPModule``, not fsdp1's."""
-    stage = sys.modules.get("torch.distributed.pipelining.stage")
-    return stage is not None and getattr(stage, "FSDPModule", FSDPModule) is not FSDPModule
-
-
-class _UnrecognisedPipelineCheck:
-    """A one-shot forward pre-hook: torch's pipeline stages recognise a stage module by the
-    ``FSDPModule`` they imported, and a stage that does not recognise fsdp1's runs it as a plain
-    module: gathered and reduced once per micro-batch, and under a schedule that splits backward with
-    no weight gradient at all. The first forward under such a stage says so. Registered only where
-    the stages are imported and would not recognise fsdp1's modules."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self._handle = module.register_forward_pre_hook(self)
-
-    def __call__(self, module: nn.Module, args: Any) -> None:
-        self._handle.remove()
-        if not _pipelining_would_not_recognise():
-            return
-        stage_file = sys.modules["torch.distributed.pipelining.stage"].__file__
-        frame = sys._getframe(1)
-        while frame is not None and frame.f_code.co_filename != stage_file:
-            frame = frame.f_back  # type: ignore[assignment]  # None ends the walk
-        if frame is not None:
-            warnings.warn(
-                "fsdp1: a torch.distributed.pipelining stage runs this fully_shard module without recognising it: "
-                "it is gathered and reduced once per micro-batch, and a schedule that splits backward (zero-bubble, "
-                "DualPipeV) computes no weight gradient for it. Call fsdp1.use_as_torch_fsdp() before building the "
-                "pipeline stages.",
-                stacklevel=2,
-            )
+def _missed_by_weight_pass(stage_module: nn.Module) -> List[str]:
+    """The units of ``stage_module`` (its root first) whose trainable parameters a weight pass would not find."""
+    root = state_of(stage_module)
+    return [unit.path or "the stage module" for unit in unit_states(stage_module)
+            if not unit.forwards_on_resting_params(is_root=unit is root)]
