@@ -78,6 +78,10 @@ class use_as_torch_fsdp:  # noqa: N801 - used as a function, as torch's own cont
         self._in_effect.append(self)
 
     @classmethod
+    def in_effect(cls) -> bool:
+        return bool(cls._in_effect)
+
+    @classmethod
     def torch_original(cls, module: Any, name: str) -> Any:
         """What ``module`` binds as ``name``, or torch's object in its place where that is one this alias
         put in torch's (a module imported while it was in effect bound fsdp1's)."""

@@ -50,8 +50,26 @@ class _EitherClass(type):
         return getattr(cls._classes[0], name)
 
 
-def _holds_fsdp1_units(module: nn.Module) -> bool:
-    return any(isinstance(each, FullyShardedDataParallel) for each in module.modules())
+def _holds_fsdp1_modules(module: nn.Module) -> bool:
+    return any(isinstance(each, (FullyShardedDataParallel, FSDPModule)) for each in module.modules())
+
+
+def _owner(model: Any, torch_class: type) -> type:
+    """The FSDP1 class whose units ``model`` holds. torch's class's own code looks fsdp1's up in its
+    place while ``use_as_torch_fsdp`` is in effect, and a model of both kinds has no one owner:
+    those are refused, on every rank alike, before anything is read or written."""
+    if not isinstance(model, nn.Module):
+        return torch_class
+    kinds = {type(each) is torch_class or not isinstance(each, FullyShardedDataParallel)
+             for each in model.modules() if isinstance(each, (torch_class, FullyShardedDataParallel))}
+    if True in kinds and (False in kinds or use_as_torch_fsdp.in_effect()):
+        raise RuntimeError(
+            "fsdp1: this model holds torch's FullyShardedDataParallel units"
+            + (" and fsdp1's" if False in kinds else " while fsdp1.use_as_torch_fsdp() is in effect, which puts fsdp1's "
+               "class where torch's own code looks for torch's")
+            + ", so torch's state-dict helpers cannot handle it. Build the model with one of the two classes, and use "
+            "torch's class only with use_as_torch_fsdp() undone (or fsdp1's, which needs no alias).")
+    return FullyShardedDataParallel if False in kinds else torch_class
 
 
 def _handing_to_owner(name: str, torch_class: type) -> Callable[..., Any]:
@@ -59,8 +77,7 @@ def _handing_to_owner(name: str, torch_class: type) -> Callable[..., Any]:
 
     def call(*args: Any, **kwargs: Any) -> Any:
         model = args[0] if args else kwargs.get("module", kwargs.get("model"))
-        owner = FullyShardedDataParallel if isinstance(model, nn.Module) and _holds_fsdp1_units(model) else torch_class
-        return getattr(owner, name)(*args, **kwargs)
+        return getattr(_owner(model, torch_class), name)(*args, **kwargs)
 
     return call
 
@@ -92,7 +109,7 @@ class _SchedulesFSDPModule(_EitherClass):
 
     def __instancecheck__(cls, obj: Any) -> bool:
         schedule = sys._getframe(1).f_locals.get("self")
-        if isinstance(schedule, cls._runtime_schedule):
+        if isinstance(schedule, cls._runtime_schedule) and getattr(schedule, "_has_backward", True):  # not eval()
             cls._check(schedule)
         return isinstance(obj, cls._classes)
 
@@ -100,11 +117,11 @@ class _SchedulesFSDPModule(_EitherClass):
         if schedule not in cls._checked:
             cls._checked[schedule] = None
             actions = getattr(schedule, "pipeline_order_with_comms", None) or {}
-            stage_modules = [stage.submod for stage in schedule._stages]
-            if (any(isinstance(module, FSDPModule) for module in stage_modules)  # a pipeline of torch's is torch's
+            stages = [(stage.stage_index, stage.submod) for stage in schedule._stages]
+            if (any(_holds_fsdp1_modules(module) for _, module in stages)  # a pipeline of torch's is torch's
                     and any(action.computation_type == cls._weight_pass for each in actions.values() for action in each)):
                 try:
-                    refuse_split_backward_that_misses(stage_modules, schedule._stages[0].group)
+                    refuse_split_backward_that_misses(stages, schedule._stages[0].group)
                 except NotImplementedError as refused:
                     cls._checked[schedule] = refused
         refusal = cls._checked[schedule]

@@ -205,6 +205,40 @@ def test_torch_state_dict_helpers_give_torchs_keys_and_shards_in_both_forms(use_
                     assert kind == theirs[key][0] and torch.equal(local, theirs[key][1]), (form, key)
 
 
+def _torchs_units_the_helpers_refuse():
+    """torch's FSDP1 model used while the alias is in effect (its own code then finds fsdp1's class in
+    torch's place), and a model of both classes: ``get_state_dict`` and ``set_state_dict`` refuse
+    each before reading or writing anything; the messages, and whether the parameters stayed."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict
+
+    theirs = wrap_torch_fsdp(make_gpt(), use_orig_params=True)
+    optim = adam(theirs.parameters())
+    train_steps(theirs, optim, 0, 1)
+    model_state, _ = get_state_dict(theirs, optim)  # torch's, without the alias
+    inner = make_gpt()
+    inner.blocks[0] = fsdp1.FullyShardedDataParallel(inner.blocks[0])
+    mixed = wrap_torch_fsdp(inner, use_orig_params=True, wrap_classes=())
+    before = [param.detach().clone() for param in theirs.parameters()]
+    refusals = []
+    with fsdp1.use_as_torch_fsdp():
+        for call in (lambda: get_state_dict(theirs, optim), lambda: set_model_state_dict(theirs, model_state)):
+            with pytest.raises(RuntimeError) as refused:
+                call()
+            refusals.append(str(refused.value))
+    with pytest.raises(RuntimeError) as refused:
+        get_state_dict(mixed, adam(mixed.parameters()))
+    refusals.append(str(refused.value))
+    return refusals, all(torch.equal(param.detach(), old) for param, old in zip(theirs.parameters(), before))
+
+
+def test_torch_state_dict_helpers_refuse_torchs_fsdp1_under_the_alias_and_mixed_models():
+    for refusals, unchanged in run_on_ranks(2, _torchs_units_the_helpers_refuse):
+        assert unchanged
+        assert all("torch's FullyShardedDataParallel units" in refusal for refusal in refusals)
+        assert all("use_as_torch_fsdp() is in effect" in refusal for refusal in refusals[:2])
+        assert "and fsdp1's" in refusals[2]
+
+
 def _upcast_after_wrapping(use_orig_params):
     """HF Accelerate's FSDP1 preparation of a model loaded in bf16 with bf16 mixed precision: after
     wrapping, each unit's flat parameter is upcast in place (``Accelerator.prepare_model``; its three

@@ -212,6 +212,42 @@ def test_split_backward_over_resharded_blocks_is_refused_on_every_rank(schedule_
                        for refusal in refusals)
 
 
+def _unsharded_stage_and_eval(schedule_name):
+    """Blocks sharded but not the stage module: a split backward's step refused, naming the fix. Then
+    blocks resharded after forward under a sharded stage: ``eval()`` (no backward, so no weight pass)
+    runs, and the following ``step()`` is refused."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    torch.manual_seed(0)
+    blocks = [Residual() for _ in range(8)]
+    inputs = targets = torch.randn(2 * MICROBATCHES, DIM)
+
+    def blocks_only(stage):
+        for block in stage:
+            fsdp1.fully_shard(block, mesh=mesh["dp"], reshard_after_forward=False)
+        return stage
+
+    schedule, _, is_first, is_last = _pipeline("fsdp1", schedule_name, blocks, blocks_only, mesh["pp"].get_group(), _mse)
+    with pytest.raises(NotImplementedError) as unsharded:
+        pipeline_step(schedule, is_first, is_last, inputs, targets)
+    shard = _shard_blocks("fsdp1", mesh["dp"], reshard_blocks=True)
+    schedule, _, is_first, is_last = _pipeline("fsdp1", schedule_name, blocks, shard, mesh["pp"].get_group(), _mse)
+    with torch.no_grad():
+        schedule.eval(inputs) if is_first else schedule.eval(target=targets) if is_last else schedule.eval()
+    with pytest.raises(NotImplementedError) as resharded:
+        pipeline_step(schedule, is_first, is_last, inputs, targets)
+    return str(unsharded.value), str(resharded.value)
+
+
+def test_split_backward_over_a_stage_module_that_is_not_sharded_is_refused_and_eval_is_not():
+    """A stage module holding ``fully_shard`` blocks without being one runs as a plain module, whose
+    weight pass finds no parameter (torch's ``fully_shard`` trains such stages silently wrong or
+    fails with a ``KeyError``): refused on every rank, naming the fix. ``eval()`` over blocks
+    resharded after forward has no weight pass and runs."""
+    for unsharded, resharded in run_on_ranks(4, _unsharded_stage_and_eval, "ScheduleInterleavedZeroBubble"):
+        assert "are not fully_shard modules themselves" in unsharded and "Call fully_shard on each stage module" in unsharded
+        assert "reshard_after_forward=False" in resharded and "stage " in resharded
+
+
 class _GPT2Stage(nn.Module):
     """A cut of a Hugging Face GPT-2: the embeddings on the first stage, the final norm and the head on
     the last, transformer blocks on every one."""

@@ -374,8 +374,8 @@ def test_state_dict_type_settings_accept_torchs_objects_and_restore():
 
 # ---------------------------------------------------------------------------------------- torch's DCP state-dict API
 def _dcp_state_dict_api(path):
-    """torch's helpers do not know fsdp1's class, so they take the model as a plain one: its default
-    FULL dict, or, under fsdp1's SHARDED setting, DTensors."""
+    """torch's helpers recognise fsdp1's class with ``import fsdp1`` alone: by default a SHARDED dict
+    of DTensors whatever the model's own setting, as they give torch's FSDP1 its sharded one."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -384,6 +384,7 @@ def _dcp_state_dict_api(path):
 
     model, _ = _trained()
     sd = get_model_state_dict(model)
+    default_kinds = {type(v).__name__ for v in sd.values()}
     rank0_copy = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
         sharded = get_model_state_dict(model)
@@ -399,7 +400,8 @@ def _dcp_state_dict_api(path):
         dcp.load(template, checkpoint_id=path)
         set_model_state_dict(model, template)
     sharded_restored = _bitwise(fsdp1_full_params(model), before)
-    return sorted(sd) == sorted(model.state_dict()), full_restored, kinds, sharded_restored, len(rank0_copy)
+    return (sorted(sd) == sorted(model.state_dict()), full_restored, kinds | default_kinds, sharded_restored,
+            len(rank0_copy))
 
 
 def test_torch_dcp_get_and_set_model_state_dict_work_on_fsdp1_models(tmp_path):
@@ -410,6 +412,27 @@ def test_torch_dcp_get_and_set_model_state_dict_work_on_fsdp1_models(tmp_path):
         assert kinds == {"DTensor"}
         assert sharded_restored
     assert [copied for *_, copied in results] == [27, 0]  # full_state_dict + cpu_offload: rank 0 only
+
+
+def _missing_key_through_torchs_helper():
+    """torch's ``set_model_state_dict`` fills a key a full dict lacks with the rank's own shard: the
+    key, fsdp1's refusal, and whether the model stayed as it was."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    model, _ = _trained()
+    options = StateDictOptions(full_state_dict=True)
+    state = get_model_state_dict(model, options=options)
+    key = next(key for key in state if key.endswith("weight"))
+    del state[key]
+    before = fsdp1_full_params(model)
+    with pytest.raises(RuntimeError) as refused:
+        set_model_state_dict(model, state, options=options)
+    return key, str(refused.value), _bitwise(fsdp1_full_params(model), before)
+
+
+def test_a_key_missing_from_a_full_dict_given_to_torchs_helper_is_named_as_missing():
+    for key, refusal, unchanged in run_on_ranks(2, _missing_key_through_torchs_helper):
+        assert unchanged and f"missing key '{key}'" in refusal and "size mismatch" not in refusal
 
 
 # ---------------------------------------------------------------------------------------- real model families

@@ -1,6 +1,6 @@
 """What torch's pipeline schedules (``torch.distributed.pipelining``) reach in a stage's ``fully_shard``
-module, so that they drive fsdp1's modules as they drive torch's (under ``use_as_torch_fsdp``, which
-points the schedules' names at fsdp1's).
+module, so that they drive fsdp1's modules as they drive torch's (they recognise fsdp1's modules
+through the stand-ins of ``fsdp1._torch_recognition``).
 
 Across a step's micro-batches a schedule tells the stage module not to synchronise gradients and not
 to reshard after backward (``FSDPModule``'s own setters): every unit stays gathered and adds each
@@ -13,8 +13,9 @@ them, with the stage module's units as its one group.
 A schedule that splits backward runs a weight pass after later forwards, on the parameters the
 modules hold: a unit resting gathered computes on resting Parameters that stay registered (see
 ``DTensorParamViews``), whose gradients join the unit's here. Where a unit's forwards compute on
-anything else, the weight pass cannot reach them: such a schedule is refused before its first action,
-on every rank of the pipeline at once (``refuse_split_backward_that_misses``).
+anything else, or where the stage module holds fsdp1's modules without being one (the schedule runs
+it as a plain module), the weight pass cannot reach them: such a schedule is refused before its
+first action, on every rank of the pipeline at once (``refuse_split_backward_that_misses``).
 """
 
 from typing import List, Optional, Sequence, Tuple
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from .._engine import collectives as comm
+from .._engine.traversal import fsdp_units
 from .._engine.unit_state import state_of, unit_states
 from .module import FSDPModule
 
@@ -33,6 +35,13 @@ SPLIT_BACKWARD_REFUSAL = (
     "then (resharded after forward, or tensor-parallel DTensors, or all-gather extensions), so the step was refused "
     "{when}. Pass reshard_after_forward=False to fully_shard for the modules of pipeline stages (torch's fully_shard "
     "trains this case silently wrong), or use a schedule that runs whole backwards (ScheduleGPipe, Schedule1F1B, "
+    "ScheduleInterleaved1F1B, ScheduleLoopedBFS)."
+)
+UNSHARDED_STAGE_REFUSAL = (
+    "fsdp1: {stages} hold fsdp1 modules but are not fully_shard modules themselves, so a pipeline schedule that "
+    "splits backward into an input pass and a weight pass runs them as plain modules and its weight pass finds none "
+    "of their parameters; the step was refused before its first action, on every rank. Call fully_shard on each "
+    "stage module too (after its blocks), or use a schedule that runs whole backwards (ScheduleGPipe, Schedule1F1B, "
     "ScheduleInterleaved1F1B, ScheduleLoopedBFS)."
 )
 
@@ -86,16 +95,20 @@ class StageReduction:
         self._root.root_state.finalize_backward()
 
 
-def refuse_split_backward_that_misses(stage_modules: Sequence[nn.Module], group: Optional[comm.ProcessGroup]) -> None:
-    """Before the first action of a schedule that splits backward: refuse it on every rank of its
-    pipeline ``group`` at once if a weight pass would miss the parameters of a unit of any stage on
-    any rank. Refused later, at the end of a step, some ranks would stop while the others wait for
-    their messages; so the ranks agree first, in one all-reduce that every rank reaches before any
-    of the schedule's messages."""
-    missed = [path for module in stage_modules if isinstance(module, FSDPModule) for path in _missed_by_weight_pass(module)]
-    anywhere = torch.tensor([float(bool(missed))])
+def refuse_split_backward_that_misses(stages: Sequence[Tuple[int, nn.Module]], group: Optional[comm.ProcessGroup]) -> None:
+    """Before the first action of a schedule that splits backward over ``stages`` (each stage's index
+    and module): refuse it on every rank of its pipeline ``group`` at once if a weight pass would miss
+    the parameters of a unit of any stage on any rank. Refused later, at the end of a step, some ranks
+    would stop while the others wait for their messages; so the ranks agree first, in one all-reduce
+    that every rank reaches before any of the schedule's messages."""
+    unsharded = [f"stage {index}" for index, module in stages if not isinstance(module, FSDPModule) and fsdp_units(module)]
+    missed = [f"stage {index}'s {path}" for index, module in stages if isinstance(module, FSDPModule)
+              for path in _missed_by_weight_pass(module)]
+    anywhere = torch.tensor([float(bool(unsharded)), float(bool(missed))])
     comm.all_reduce_with(anywhere, group if group is not None else comm.default_group(), maximum=True).wait()
-    if anywhere.item():
+    if anywhere[0].item():
+        raise NotImplementedError(UNSHARDED_STAGE_REFUSAL.format(stages=unsharded or "another rank's stage modules"))
+    if anywhere[1].item():
         raise NotImplementedError(SPLIT_BACKWARD_REFUSAL.format(
             missed=missed or "modules of another rank's stages", when="before its first action, on every rank"))
 
@@ -103,5 +116,5 @@ def refuse_split_backward_that_misses(stage_modules: Sequence[nn.Module], group:
 def _missed_by_weight_pass(stage_module: nn.Module) -> List[str]:
     """The units of ``stage_module`` (its root first) whose trainable parameters a weight pass would not find."""
     root = state_of(stage_module)
-    return [unit.path or "the stage module" for unit in unit_states(stage_module)
+    return [repr(unit.path) if unit.path else "stage module" for unit in unit_states(stage_module)
             if not unit.forwards_on_resting_params(is_root=unit is root)]

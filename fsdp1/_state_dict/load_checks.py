@@ -36,6 +36,12 @@ def check_subtree(unit: nn.Module, state_dict: Dict[str, Any], prefix: str, stri
         if value is None or shape is None or not torch.overrides.is_tensor_like(value):
             continue
         if tuple(value.shape) != tuple(shape):
+            if _is_a_shard_of(unit, value):
+                return (
+                    f"missing key '{clean_prefix}{name}': in its place the state dict has this rank's own shard of "
+                    "the parameter, which torch's set_model_state_dict / set_state_dict put there for a key a full "
+                    "state dict lacks. Load a checkpoint that has every key of the model."
+                )
             return (
                 f"size mismatch for '{clean_prefix}{name}': the state dict has shape {tuple(value.shape)}, the "
                 f"model {tuple(shape)}. Load a checkpoint of this model, or fix the model's configuration."
@@ -62,6 +68,15 @@ def _is_exempt(name: str, exempt: List[str]) -> bool:
 def _names(prefix: str, names: Sequence[str], shown: int = 5) -> str:
     listed = ", ".join(f"'{prefix}{name}'" for name in names[:shown])
     return listed + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
+def _is_a_shard_of(unit: nn.Module, value: torch.Tensor) -> bool:
+    """Whether ``value`` lies in the sharded flat parameter of a unit of ``unit``'s subtree."""
+    if not isinstance(value, torch.Tensor) or value.device.type == "meta":
+        return False
+    storage = value.untyped_storage().data_ptr()
+    handles = [state_of(module).handle for module in unit.modules() if is_fsdp_unit(module)]
+    return any(handle is not None and handle.flat_param.untyped_storage().data_ptr() == storage for handle in handles)
 
 
 def _expected_entries(unit: nn.Module) -> Tuple[Dict[str, Optional[torch.Size]], List[str]]:
