@@ -47,8 +47,9 @@ FSDP2_NAMES = {
 
 class use_as_torch_fsdp:  # noqa: N801 - used as a function, as torch's own context-manager functions are
     """Make ``torch.distributed.fsdp.FullyShardedDataParallel`` (at both of its import paths) be
-    fsdp1's class, torch's ``ShardedGradScaler`` fsdp1's, and ``torch.distributed.fsdp.fully_shard`` / ``FSDPModule`` / the FSDP2 policies
-    fsdp1's, so that a client that builds and recognises FSDP units by torch's name uses fsdp1.
+    fsdp1's class, torch's ``ShardedGradScaler`` fsdp1's, and ``torch.distributed.fsdp.fully_shard``
+    / ``FSDPModule`` / the FSDP2 policies fsdp1's, so that a client that builds and recognises FSDP
+    units by torch's name uses fsdp1.
 
     Call it once before the client builds its model (``fsdp1.use_as_torch_fsdp()``), or use it as a
     context manager, which puts torch's names back on exit. A client module that bound torch's class

@@ -60,16 +60,16 @@ def _owner(model: Any, torch_class: type) -> type:
     those are refused, on every rank alike, before anything is read or written."""
     if not isinstance(model, nn.Module):
         return torch_class
-    kinds = {type(each) is torch_class or not isinstance(each, FullyShardedDataParallel)
-             for each in model.modules() if isinstance(each, (torch_class, FullyShardedDataParallel))}
-    if True in kinds and (False in kinds or use_as_torch_fsdp.in_effect()):
+    ours = any(isinstance(each, FullyShardedDataParallel) for each in model.modules())
+    torchs = any(isinstance(each, torch_class) for each in model.modules())
+    if torchs and (ours or use_as_torch_fsdp.in_effect()):
         raise RuntimeError(
             "fsdp1: this model holds torch's FullyShardedDataParallel units"
-            + (" and fsdp1's" if False in kinds else " while fsdp1.use_as_torch_fsdp() is in effect, which puts fsdp1's "
+            + (" and fsdp1's" if ours else " while fsdp1.use_as_torch_fsdp() is in effect, which puts fsdp1's "
                "class where torch's own code looks for torch's")
             + ", so torch's state-dict helpers cannot handle it. Build the model with one of the two classes, and use "
             "torch's class only with use_as_torch_fsdp() undone (or fsdp1's, which needs no alias).")
-    return FullyShardedDataParallel if False in kinds else torch_class
+    return FullyShardedDataParallel if ours else torch_class
 
 
 def _handing_to_owner(name: str, torch_class: type) -> Callable[..., Any]:
