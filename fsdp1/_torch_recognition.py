@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 from torch import nn
 
+from ._engine.traversal import fsdp_units
 from ._fully_shard import FSDPModule, fully_shard
 from ._fully_shard.pipeline import refuse_split_backward_that_misses
 from ._torch_alias import use_as_torch_fsdp
@@ -48,10 +49,6 @@ class _EitherClass(type):
 
     def __getattr__(cls, name: str) -> Any:
         return getattr(cls._classes[0], name)
-
-
-def _holds_fsdp1_modules(module: nn.Module) -> bool:
-    return any(isinstance(each, (FullyShardedDataParallel, FSDPModule)) for each in module.modules())
 
 
 def _owner(model: Any, torch_class: type) -> type:
@@ -118,7 +115,7 @@ class _SchedulesFSDPModule(_EitherClass):
             cls._checked[schedule] = None
             actions = getattr(schedule, "pipeline_order_with_comms", None) or {}
             stages = [(stage.stage_index, stage.submod) for stage in schedule._stages]
-            if (any(_holds_fsdp1_modules(module) for _, module in stages)  # a pipeline of torch's is torch's
+            if (any(fsdp_units(module) for _, module in stages)  # a pipeline of torch's is torch's
                     and any(action.computation_type == cls._weight_pass for each in actions.values() for action in each)):
                 try:
                     refuse_split_backward_that_misses(stages, schedule._stages[0].group)

@@ -34,7 +34,7 @@ ALLOWED = {
     "_planner": {WRAPPER_FRONT, FULLY_SHARD_FRONT, "api", "wrap"},  # applies what it plans, with either front
     "plan": {"_planner"},
     "_torch_alias": {FULLY_SHARD_FRONT, "api", "fully_sharded_data_parallel", "sharded_grad_scaler"},
-    "_torch_recognition": {FULLY_SHARD_FRONT, "_torch_alias", "fully_sharded_data_parallel"},
+    "_torch_recognition": {ENGINE, FULLY_SHARD_FRONT, "_torch_alias", "fully_sharded_data_parallel"},
     "__init__": {ENGINE, FULLY_SHARD_FRONT, "_torch_alias", "_torch_recognition", "_torch_version", "api", "comm_hooks",
                  "fully_sharded_data_parallel", "plan", "sharded_grad_scaler", "wrap"},
 }

@@ -168,20 +168,22 @@ def _assert_trained_as_torchs(schedule_name, variant, forms=("plain",)):
 REFUSALS = 20
 
 
-def _refused_again_and_again(schedule_name, form, resharded_stage):
-    """The same pipeline built anew and stepped ``REFUSALS`` times, the blocks of stage
-    ``resharded_stage`` (every stage: None) resharded after forward: each step's refusal, and whether
-    every parameter and gradient was as before it."""
+def _refused_again_and_again(schedule_name, form, only_last_stage):
+    """The same pipeline built anew and stepped ``REFUSALS`` times, the blocks of every stage (or,
+    with ``only_last_stage``, of the last one) resharded after forward: each step's refusal, and
+    whether every parameter and gradient was as before it."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     torch.manual_seed(0)
     blocks = [Residual() for _ in range(8)]
+    indices = stage_indices(schedule_name, mesh["pp"].get_local_rank(), 2)
+    last_stage = 2 * len(indices) - 1
     refusals, unchanged = [], True
     with _in_form(form):
         for _ in range(REFUSALS):
-            pp_rank, stage_count = mesh["pp"].get_local_rank(), 2 * len(stage_indices(schedule_name, 0, 2))
+            order = iter(indices)  # _pipeline shards this rank's stages in this order
 
-            def shard(stage, index=iter(stage_indices(schedule_name, pp_rank, 2))):
-                reshard = resharded_stage in (None, next(index) % stage_count)
+            def shard(stage):
+                reshard = not only_last_stage or next(order) == last_stage
                 return _shard_blocks("fsdp1", mesh["dp"], reshard_blocks=reshard)(stage)
 
             schedule, modules, is_first, is_last = _pipeline("fsdp1", schedule_name, blocks, shard, mesh["pp"].get_group(), _mse)
@@ -203,9 +205,8 @@ def test_split_backward_over_resharded_blocks_is_refused_on_every_rank(schedule_
     20 times in a row with no hang (refused at the end of a step instead, DualPipeV's ranks stopped
     at different actions and some waited for the others' messages), in both import forms, and where
     only the last stage's blocks reshard (the ranks agree before any message)."""
-    for form, resharded_stage in [("plain", None), ("alias", None), ("plain", -1)]:
-        last = None if resharded_stage is None else 2 * len(stage_indices(schedule_name, 0, 2)) - 1
-        for refusals, unchanged in run_on_ranks(4, _refused_again_and_again, schedule_name, form, last):
+    for form, only_last_stage in [("plain", False), ("alias", False), ("plain", True)]:
+        for refusals, unchanged in run_on_ranks(4, _refused_again_and_again, schedule_name, form, only_last_stage):
             assert len(refusals) == REFUSALS and unchanged
             assert all("splits backward into an input pass and a weight pass" in refusal
                        and "reshard_after_forward=False" in refusal and "before its first action" in refusal
