@@ -20,7 +20,9 @@ and only when asked: importing fsdp1 does not import it.
 """
 
 import importlib
-from typing import Any, List, Tuple
+import sys
+from types import ModuleType
+from typing import Any, List, Optional, Tuple
 
 from ._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx
 from .api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
@@ -35,6 +37,15 @@ TORCH_SCALER_MODULES = ("torch.distributed.fsdp.sharded_grad_scaler", "torch.dis
 
 TORCH_FSDP2_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
 """Where clients import torch's FSDP2 names from (the second is the older path)."""
+
+TORCH_PATHS_OF_OWN_MODULES = {
+    "torch.distributed.fsdp.fully_sharded_data_parallel": "fsdp1.fully_sharded_data_parallel",
+    "torch.distributed.fsdp.sharded_grad_scaler": "fsdp1.sharded_grad_scaler",
+}
+"""fsdp1's modules at torch's paths, which stand in for torch's where a release has dropped them."""
+
+_ABSENT = object()
+"""The original of a name torch's module did not have (put there by the alias, taken away on undo)."""
 
 FSDP2_NAMES = {
     "fully_shard": fully_shard, "FSDPModule": FSDPModule, "UnshardHandle": UnshardHandle,
@@ -61,22 +72,38 @@ class use_as_torch_fsdp:  # noqa: N801 - used as a function, as torch's own cont
 
     _in_effect: List["use_as_torch_fsdp"] = []
     _torch_names: List[Tuple[Any, str, Any]] = []  # (module, attribute, torch's value) while any is in effect
+    _stood_in: List[str] = []  # torch's module paths where fsdp1's modules stand, while any is in effect
 
     def __init__(self) -> None:
         if not self._in_effect:
+            fsdp_modules = [self._torch_module(name) for name in TORCH_FSDP_MODULES]
             replacements: List[Tuple[Any, str, Any]] = [
-                (importlib.import_module(name), "FullyShardedDataParallel", FullyShardedDataParallel)
-                for name in TORCH_FSDP_MODULES
+                (module, "FullyShardedDataParallel", FullyShardedDataParallel) for module in fsdp_modules if module is not None
             ]
             replacements += [(module, "ShardedGradScaler", ShardedGradScaler)
-                             for module in map(importlib.import_module, TORCH_SCALER_MODULES)
-                             if hasattr(module, "ShardedGradScaler")]
-            replacements += [(module, name, value) for module in map(importlib.import_module, TORCH_FSDP2_MODULES)
-                             for name, value in FSDP2_NAMES.items() if hasattr(module, name)]
+                             for module in map(self._torch_module, TORCH_SCALER_MODULES)
+                             if module is not None and "ShardedGradScaler" in vars(module)]
+            replacements += [(module, name, value) for module in map(self._torch_module, TORCH_FSDP2_MODULES)
+                             if module is not None for name, value in FSDP2_NAMES.items() if name in vars(module)]
             for module, attribute, value in replacements:
-                self._torch_names.append((module, attribute, getattr(module, attribute)))
+                self._torch_names.append((module, attribute, vars(module).get(attribute, _ABSENT)))
                 setattr(module, attribute, value)
         self._in_effect.append(self)
+
+    @classmethod
+    def _torch_module(cls, name: str) -> Optional[ModuleType]:
+        """torch's module ``name``; where this torch has none (FSDP1's files gone from a later release),
+        fsdp1's module of that path stands there while the alias is in effect, and nothing for the
+        older FSDP2 path."""
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError:
+            stand_in = TORCH_PATHS_OF_OWN_MODULES.get(name)
+            if stand_in is None:
+                return None
+            sys.modules[name] = importlib.import_module(stand_in)
+            cls._stood_in.append(name)
+            return None
 
     @classmethod
     def in_effect(cls) -> bool:
@@ -106,4 +133,9 @@ class use_as_torch_fsdp:  # noqa: N801 - used as a function, as torch's own cont
         if not self._in_effect:
             while self._torch_names:
                 module, attribute, original = self._torch_names.pop()
-                setattr(module, attribute, original)
+                if original is _ABSENT:
+                    delattr(module, attribute)
+                else:
+                    setattr(module, attribute, original)
+            while self._stood_in:
+                sys.modules.pop(self._stood_in.pop(), None)

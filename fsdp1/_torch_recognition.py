@@ -32,6 +32,7 @@ from ._engine.traversal import fsdp_units
 from ._fully_shard import FSDPModule, fully_shard
 from ._fully_shard.pipeline import refuse_split_backward_that_misses
 from ._torch_alias import use_as_torch_fsdp
+from ._torch_internals import runtime_schedule_class, schedule_has_backward, schedule_stages
 from .fully_sharded_data_parallel import FullyShardedDataParallel
 
 
@@ -106,7 +107,7 @@ class _SchedulesFSDPModule(_EitherClass):
 
     def __instancecheck__(cls, obj: Any) -> bool:
         schedule = sys._getframe(1).f_locals.get("self")
-        if isinstance(schedule, cls._runtime_schedule) and getattr(schedule, "_has_backward", True):  # not eval()
+        if isinstance(schedule, cls._runtime_schedule) and schedule_has_backward(schedule):  # not eval()
             cls._check(schedule)
         return isinstance(obj, cls._classes)
 
@@ -114,11 +115,11 @@ class _SchedulesFSDPModule(_EitherClass):
         if schedule not in cls._checked:
             cls._checked[schedule] = None
             actions = getattr(schedule, "pipeline_order_with_comms", None) or {}
-            stages = [(stage.stage_index, stage.submod) for stage in schedule._stages]
+            stages = [(stage.stage_index, stage.submod) for stage in schedule_stages(schedule)]
             if (any(fsdp_units(module) for _, module in stages)  # a pipeline of torch's is torch's
                     and any(action.computation_type == cls._weight_pass for each in actions.values() for action in each)):
                 try:
-                    refuse_split_backward_that_misses(stages, schedule._stages[0].group)
+                    refuse_split_backward_that_misses(stages, schedule_stages(schedule)[0].group)
                 except NotImplementedError as refused:
                     cls._checked[schedule] = refused
         refusal = cls._checked[schedule]
@@ -128,7 +129,7 @@ class _SchedulesFSDPModule(_EitherClass):
 
 def _schedules_fsdp_module(torch_class: type, schedules: ModuleType) -> type:
     return _SchedulesFSDPModule("FSDPModule", (), {
-        "_classes": (torch_class, FSDPModule), "_runtime_schedule": schedules._PipelineScheduleRuntime,
+        "_classes": (torch_class, FSDPModule), "_runtime_schedule": runtime_schedule_class(),
         "_weight_pass": schedules.BACKWARD_WEIGHT, "_checked": weakref.WeakKeyDictionary()})
 
 

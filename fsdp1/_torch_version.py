@@ -10,7 +10,7 @@ from typing import Tuple
 
 import torch
 
-TESTED_TORCH = ((2, 13), (2, 13))
+TESTED_TORCH = ((2, 13), (2, 14))
 """The first and last torch releases (major, minor) the whole suite ran on."""
 
 

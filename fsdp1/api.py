@@ -13,7 +13,8 @@ from enum import Enum, auto
 from typing import Optional, Sequence, Tuple, Type, TypeVar, Union
 
 import torch
-from torch.nn.modules.batchnorm import _BatchNorm
+
+from ._torch_internals import BatchNormBase
 
 __all__ = [
     "ShardingStrategy",
@@ -69,7 +70,7 @@ class MixedPrecision:
     keep_low_precision_grads: bool = False
     cast_forward_inputs: bool = False
     cast_root_forward_inputs: bool = True
-    _module_classes_to_ignore: Sequence[Type[torch.nn.Module]] = (_BatchNorm,)
+    _module_classes_to_ignore: Sequence[Type[torch.nn.Module]] = (BatchNormBase,)
 
 
 @dataclass

@@ -15,6 +15,7 @@ import torch
 
 from ._engine import collectives as comm
 from ._engine.shard_math import gradient_divide_factors
+from ._torch_internals import torch_low_precision_hooks
 
 __all__ = [
     "DefaultState",
@@ -116,10 +117,4 @@ LOW_PRECISION_HOOKS = [fp16_compress_hook, bf16_compress_hook]
 
 def is_low_precision_hook(hook: Callable[..., object]) -> bool:
     """fsdp1's low-precision hooks or torch's (which scripts written for torch's FSDP1 register)."""
-    if hook in LOW_PRECISION_HOOKS:
-        return True
-    try:
-        from torch.distributed.algorithms._comm_hooks import LOW_PRECISION_HOOKS as TORCH_LOW_PRECISION_HOOKS
-    except ImportError:
-        return False
-    return hook in TORCH_LOW_PRECISION_HOOKS
+    return hook in LOW_PRECISION_HOOKS or hook in torch_low_precision_hooks()

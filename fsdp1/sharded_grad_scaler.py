@@ -13,6 +13,7 @@ from typing import Dict, Iterable, List, Optional, Tuple, Union, overload
 import torch
 
 from ._engine import collectives as comm
+from ._torch_internals import found_inf_flags, scale_tensor
 
 __all__ = ["ShardedGradScaler"]
 
@@ -69,14 +70,13 @@ class ShardedGradScaler(torch.amp.GradScaler):
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """GradScaler's ``unscale_``, then the inf/NaN flags summed over the process group, so that
         ``step`` skips on every rank when any rank overflowed. Collective when enabled."""
-        if not self._enabled:
+        if not self.is_enabled():
             return
         super().unscale_(optimizer)
-        found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        found = found_inf_flags(self, optimizer)
         # One flag per rank, whatever devices its gradients are on (a rank may hold none), so that
         # every rank issues exactly one collective.
-        assert self._scale is not None  # GradScaler's unscale_ refuses to run before scale() made it
-        combined = torch.zeros((), dtype=torch.float32, device=self._scale.device)
+        combined = torch.zeros((), dtype=torch.float32, device=scale_tensor(self).device)
         for flag in found.values():
             combined += flag.to(combined.device).reshape(())
         group = self.process_group if self.process_group is not None else comm.default_group()

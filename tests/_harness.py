@@ -19,6 +19,12 @@ from typing import Any, Callable, Dict, List
 import torch.multiprocessing as mp
 
 RANK_TIMEOUT_S = 60  # gloo's own timeout: a backstop behind the pool's per-test deadline
+MAX_GROUPS = 24
+"""A pool whose ranks hold more process groups than this (the meshes and subgroups its tests made,
+which torch keeps for the life of the process) is replaced by a fresh one after the test: each gloo
+group keeps a thread that wakes about a hundred times a second, and the hundreds a session made
+slowed its last tests several times over. Destroying them instead breaks torch's meshes, which keep
+their groups' names."""
 
 
 class RankFailure(AssertionError):
@@ -52,7 +58,7 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
         try:
             result = fn(*args)
             ForkingPickler.dumps(result)  # unpicklable (a tensor needing grad): fail here, not in the queue's thread
-            results.put((rank, True, result))
+            results.put((rank, True, (result, len(dist.distributed_c10d._world.pg_map))))
         except BaseException:  # noqa: BLE001 - every failure goes back to pytest
             results.put((rank, False, traceback.format_exc()))
     dist.destroy_process_group()
@@ -64,6 +70,7 @@ class RankPool:
     def __init__(self, world_size: int) -> None:
         ctx = mp.get_context("spawn")
         self.world_size = world_size
+        self.groups = 0  # the most process groups a rank of the pool holds
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
         port = _free_port()
@@ -93,7 +100,8 @@ class RankPool:
                 continue
             if not ok:
                 raise RankFailure(f"rank {rank} of {self.world_size} failed in {fn.__name__}:\n{payload}")
-            results[rank] = payload
+            results[rank], groups = payload
+            self.groups = max(self.groups, groups)
         return [results[r] for r in range(self.world_size)]
 
     def close(self) -> None:
@@ -127,13 +135,16 @@ def run_on_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s:
     if pool is None:
         pool = _pools[world_size] = RankPool(world_size)
     try:
-        return pool.run(fn, args, timeout_s)
+        results = pool.run(fn, args, timeout_s)
     except BaseException:
         _pools.pop(world_size)
         for proc in pool._procs:
             proc.kill()
         pool.close()
         raise
+    if pool.groups > MAX_GROUPS:
+        _pools.pop(world_size).close()
+    return results
 
 
 def close_pools() -> None:

@@ -138,8 +138,8 @@ def test_an_untested_torch_release_is_named_once_at_import():
     from fsdp1._torch_version import TESTED_TORCH, release, warn_if_untested
 
     assert release("2.13.0+cpu") == (2, 13) and release("2.14.0a0+git1234") == (2, 14)
-    for version in ("2.11.0", "2.14.0", "3.0.0"):
-        with pytest.warns(UserWarning, match=f"tested on torch 2.13; this is torch {version}"):
+    for version in ("2.12.1", "2.15.0", "3.0.0"):
+        with pytest.warns(UserWarning, match=f"tested on torch 2.13 to 2.14; this is torch {version}"):
             warn_if_untested(version)
     assert TESTED_TORCH[0] <= release(torch.__version__) <= TESTED_TORCH[1]
     subprocess.run([sys.executable, "-W", "error", "-c", "import fsdp1"], check=True)

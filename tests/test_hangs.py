@@ -177,11 +177,13 @@ except Exception as error:
 
 def test_an_uncaught_exception_on_one_rank_ends_the_job_naming_it_as_the_root_cause(tmp_path):
     """H1: rank 1 raises in b at step 2 under torchrun with ``@record``: the job fails, torchrun's
-    summary names rank 1 and the exception, and rank 0 gets ProcessGroupBroken instead of waiting."""
+    summary names rank 1 and the exception, and rank 0 gets ProcessGroupBroken instead of waiting.
+    The agent looks at its workers every 3 s here (0.1 s by default, when it may stop rank 0 before a
+    loaded machine let it report what it saw)."""
     job = run_job(tmp_path, RAISES_ON_RANK_1 + '''
 from torch.distributed.elastic.multiprocessing.errors import record
 record(main)()
-''')
+''', torchrun_args=("--monitor-interval", "3"))
     assert not failed(job), failed(job)
     assert job.returncodes[0] != 0
     assert "rank      : 1 (local_rank: 1)" in job.output.split("Root Cause")[1]

@@ -508,3 +508,45 @@ def test_cast_forward_inputs_casts_the_input_of_every_module_of_a_group_as_torch
     ours, theirs = run_both(_cast_in_a_group)
     assert torch.equal(ours[0], theirs[0])
     assert same_tensors(ours[1], theirs[1])
+
+
+# ------------------------------------------------------------------- fully_shard: a group frozen in its first forward
+def _frozen_first_then_unfrozen(impl, frozen_first):
+    """bf16 compute, fp32 reduce; block 0's group frozen in the first step (``frozen_first``) or
+    trainable with its step-1 gradient dropped (the same parameters after step 1), trainable after."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    policy = (fsdp1.MixedPrecisionPolicy if impl == "fsdp1" else _torch_policy())(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = shard_gpt(make_gpt(), fully_shard_of(impl), mp_policy=policy)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    first = list(model.blocks[0].parameters())
+    for step in range(3):
+        for param in first:
+            param.requires_grad_(not (frozen_first and step == 0))
+        lm_loss(model, *batch(step, rank, world)).backward()
+        if step == 0:
+            for param in first:
+                param.grad = None
+        optim.step()
+        optim.zero_grad()
+    return [p.detach().full_tensor() for p in model.parameters()]
+
+
+def _torch_policy():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy
+
+
+def test_a_group_frozen_in_its_first_forward_reduces_in_reduce_dtype_once_unfrozen():
+    """The group's gradients are reduced in ``reduce_dtype`` whenever they come, as if it had been
+    trainable from the start: torch's ``fully_shard`` does so from 2.14 (2.13 read the dtypes of a
+    group with nothing trainable, reduced in ``param_dtype`` and failed assigning the bf16 gradient to
+    the fp32 parameter); fsdp1 does on every release, and matches torch's bit for bit where torch's
+    has it."""
+    from fsdp1._torch_version import release
+
+    frozen, trainable = (run_on_ranks(2, _frozen_first_then_unfrozen, "fsdp1", flag)[0] for flag in (True, False))
+    assert same_tensors(frozen, trainable)
+    if release(torch.__version__) >= (2, 14):
+        assert same_tensors(frozen, run_on_ranks(2, _frozen_first_then_unfrozen, "torch", True)[0])

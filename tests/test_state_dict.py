@@ -746,3 +746,45 @@ def test_a_full_state_dict_inside_summon_full_params_equals_torchs(use_orig_para
         for mine, torchs in zip(ours, theirs):
             assert list(mine) == list(torchs)
             assert all(torch.equal(mine[k], torchs[k]) for k in torchs)
+
+
+def _offloaded_summons(impl, use_orig_params):
+    """The full values ``summon_full_params(offload_to_cpu=True)`` shows after a step, with and without
+    ``rank0_only``, and the writeback of a change made inside; against DDP."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    base = make_gpt()
+    api, cpu = fsdp_api(impl)
+    model = api.FullyShardedDataParallel(copy.deepcopy(base), auto_wrap_policy=api.wrap.ModuleWrapPolicy({Block}),
+                                         use_orig_params=use_orig_params, **cpu)
+    ddp = DDP(copy.deepcopy(base))
+    for each in (model, ddp):
+        lm_loss(each, *batch(0, rank, world)).backward()
+        torch.optim.SGD(each.parameters(), lr=0.1).step()
+    expected = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+    shown = {}
+    for rank0_only in (False, True):
+        with api.FullyShardedDataParallel.summon_full_params(model, writeback=False, offload_to_cpu=True,
+                                                             rank0_only=rank0_only):
+            shown[rank0_only] = {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for n, p in model.named_parameters()}
+    with api.FullyShardedDataParallel.summon_full_params(model, offload_to_cpu=True), torch.no_grad():
+        for param in model.parameters():
+            param.add_(1.0)
+    with api.FullyShardedDataParallel.summon_full_params(model):
+        written = {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for n, p in model.named_parameters()}
+    return (all(torch.equal(shown[False][n], v) for n, v in expected.items()),
+            rank != 0 or all(torch.equal(shown[True][n], v) for n, v in expected.items()),
+            all(torch.equal(written[n], v + 1.0) for n, v in expected.items()))
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_summon_full_params_offloaded_to_the_cpu_shows_and_writes_back_the_full_values(use_orig_params):
+    """On a CPU, where the unsharded values already are: torch's FSDP1 fails there before 2.14, reading
+    the storage it has just freed ("out of bounds for storage of size 0"); fsdp1 shows DDP's values on
+    every release, as torch's does from 2.14."""
+    from fsdp1._torch_version import release
+
+    impls = ["fsdp1"] + (["torch"] if release(torch.__version__) >= (2, 14) else [])
+    for impl in impls:
+        assert all(all(ranks) for ranks in run_on_ranks(2, _offloaded_summons, impl, use_orig_params)), impl

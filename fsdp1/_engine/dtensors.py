@@ -12,10 +12,12 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from .._torch_internals import dtensor as build_dtensor
+from .._torch_internals import is_traceable_wrapper_subclass, rebind, spec_of
 
 if TYPE_CHECKING:
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from .._torch_internals import DTensorSpec
 
 
 def contiguous_stride(shape: Sequence[int]) -> Tuple[int, ...]:
@@ -39,13 +41,13 @@ class MeshPlacements:
     def dtensor(self, local: torch.Tensor, shape: torch.Size) -> DTensor:
         """``local`` (this rank's part) as the DTensor of global ``shape``; the shape is given, not
         inferred, since uneven rows would make every rank infer its own (a hang, pytorch#149138)."""
-        return viewing(local, self._stand_in(local, shape)._spec)
+        return viewing(local, spec_of(self._stand_in(local, shape)))
 
     def parameter(self, local: torch.Tensor, shape: torch.Size, requires_grad: bool) -> nn.Parameter:
         """A DTensor ``nn.Parameter`` of global ``shape`` whose local tensor is ``local``, built on it
         as ``from_local`` builds, so that ``torch.compile`` can trace it (a compiled optimizer step);
         state dicts hold ``viewing`` copies, which ``torch.save`` takes."""
-        return nn.Parameter(DTensor(local.view_as(local), self._stand_in(local, shape)._spec, requires_grad=False),
+        return nn.Parameter(build_dtensor(local.view_as(local), spec_of(self._stand_in(local, shape))),
                             requires_grad=requires_grad)
 
     def _stand_in(self, local: torch.Tensor, shape: torch.Size) -> DTensor:
@@ -58,8 +60,8 @@ def viewing(local: torch.Tensor, spec: "DTensorSpec") -> DTensor:
     wrapper takes the storage offset of the tensor it is built on, and ``torch.save`` (and
     ``deepcopy``) cannot handle a wrapper with a nonzero offset, which a view of the shard past its
     first element would give it."""
-    dtensor = DTensor(_empty_like(local), spec, requires_grad=False)
-    dtensor._local_tensor = local
+    dtensor = build_dtensor(_empty_like(local), spec)
+    rebind(dtensor, local, spec)
     return dtensor
 
 

@@ -6,9 +6,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Dict, List, Optional
 
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+
+from .._torch_internals import group_timeout
 
 ProcessGroup = dist.ProcessGroup
 
@@ -113,13 +114,16 @@ def subgroup_of_this_rank(rank_lists: List[List[int]]) -> ProcessGroup:
     """Make one group per list of global ranks (collective: every rank makes all of them, in the
     same order) and return the one this rank is in."""
     group, _ = dist.new_subgroups_by_enumeration(rank_lists)
+    assert isinstance(group, ProcessGroup), "every rank is in one of the lists"  # typed as maybe not, since 2.15
     return group
 
 
 def new_gloo_group() -> ProcessGroup:
     """A gloo group over every rank, for collectives run beside training's (a background save).
     Collective: every rank of the default group creates it."""
-    return dist.new_group(backend="gloo")
+    group = dist.new_group(backend="gloo")
+    assert isinstance(group, ProcessGroup), "every rank is in it"  # typed as maybe not, since 2.15
+    return group
 
 
 def global_rank_of(group: ProcessGroup, group_rank: int) -> int:
@@ -132,7 +136,5 @@ def global_rank() -> int:
 
 def timeout_of(group: ProcessGroup) -> timedelta:
     """The group's own timeout (init_process_group(timeout=...)); torch keeps it on the backend's options."""
-    try:
-        return group._get_backend(torch.device("cpu")).options._timeout
-    except (AttributeError, RuntimeError):
-        return dist.distributed_c10d.default_pg_timeout
+    own = group_timeout(group)
+    return dist.distributed_c10d.default_pg_timeout if own is None else own

@@ -43,6 +43,7 @@ from typing import Callable, Iterator, List, Optional, Protocol, Sequence, Tuple
 import torch
 from torch import nn
 
+from .._torch_internals import version_of
 from . import collectives as comm
 from .collectives import ProcessGroups
 from .flat_grad import FlatGrad, ReduceSettings, to_host
@@ -259,7 +260,7 @@ class FlatParamHandle:
         if not (self.holds_gathered_copy and self.views.writes_show_in_shard and self._gathered_from is not None):
             return False
         shard, version = self._gathered_from
-        return shard is self._local_shard and version == shard._version
+        return shard is self._local_shard and version == version_of(shard)
 
     def write_back_orig_params(self, is_gathered_for_backward: bool = False) -> None:
         """Take into the shard what the user assigned to an original parameter at rest
@@ -293,7 +294,7 @@ class FlatParamHandle:
                 return
             self.reshard()
         self._unsharded_buffer = target
-        self._gathered_from = (self._local_shard, self._local_shard._version)
+        self._gathered_from = (self._local_shard, version_of(self._local_shard))
         if target is self._local_shard:  # not sharded, full precision: the shard is the parameter
             self.state = HandleState.UNSHARDED
             return

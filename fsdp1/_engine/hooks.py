@@ -9,6 +9,8 @@ from typing import Any, Callable, List, TypeVar
 
 import torch
 
+from .._torch_internals import current_graph_task_id
+
 _Fn = TypeVar("_Fn", bound=Callable[..., Any])
 
 
@@ -23,7 +25,7 @@ def eager_only(fn: _Fn) -> _Fn:
         if "torch._dynamo" not in sys.modules:
             return fn(*args, **kwargs)
         if not disabled:
-            disabled.append(torch._dynamo.disable(fn, recursive=True))
+            disabled.append(torch.compiler.disable(fn, recursive=True))
         return disabled[0](*args, **kwargs)
 
     return call  # type: ignore[return-value]  # same signature as fn
@@ -36,7 +38,7 @@ def eager_hook(hook: _Fn) -> _Fn:
     wrapper there, and refuses the whole graph."""
     if "torch._dynamo" not in sys.modules:
         return hook
-    return torch._dynamo.disable(hook, recursive=True)
+    return torch.compiler.disable(hook, recursive=True)
 
 
 class WeakPartial:
@@ -59,7 +61,7 @@ class WeakPartial:
 def current_graph_task() -> int:
     """The autograd graph task running now (-1 outside backward); a reentrant checkpoint's
     recomputation runs its backward as a nested task."""
-    return torch._C._current_graph_task_id()
+    return current_graph_task_id()
 
 
 def inside_backward() -> bool:

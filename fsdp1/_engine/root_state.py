@@ -24,9 +24,9 @@ from collections import deque
 from typing import Any, Callable, Deque, Dict, Generic, List, Optional, Protocol, TypeVar
 
 import torch
-from torch.autograd import Variable
 from torch.autograd.profiler import record_function
 
+from .._torch_internals import queue_backward_callback
 from . import collectives as comm
 from .common import TrainingState
 from .flat_grad import GradReduction
@@ -190,7 +190,7 @@ class RootState(Generic[U]):
     def queue_final_callback(self) -> None:
         if not self.is_final_callback_queued:
             self.is_final_callback_queued = True
-            Variable._execution_engine.queue_callback(self.finalize_backward)
+            queue_backward_callback(self.finalize_backward)
 
     def add_reduction(self, reduction: GradReduction) -> None:
         self._reductions.append(reduction)

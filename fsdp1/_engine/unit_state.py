@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
+from .._torch_internals import forget_post_accumulate_grad_hooks
 from ..api import MixedPrecision
 from . import collectives as comm
 from .common import TrainingState
@@ -174,7 +175,7 @@ class UnitState:
         # swap_module_params_on_conversion): the hook stayed with the tensor it was swapped with,
         # though its dict of hooks came along, which would keep a new registration from taking.
         for each in (flat_param, handle.flat_param):
-            each._post_accumulate_grad_hooks = None  # type: ignore[assignment]  # torch's own "no hooks yet"
+            forget_post_accumulate_grad_hooks(each)
         self._has_post_backward_hook = False
         self.register_post_backward_hook()
 

@@ -22,6 +22,7 @@ from .._engine.layout import GatherExtras, ParamLayout
 from .._engine.orig_views import OrigParamViews
 from .._engine.traversal import ParamSlot
 from .._engine.views import FLATTENED
+from .._torch_internals import dtensor, is_view, local_tensor, post_accumulate_grad_hooks, rebind, spec_of
 from .extensions import ExtensionGather, GatherContext, has_extension
 from .param_sharding import ParamSharding
 
@@ -342,7 +343,7 @@ class DTensorParamViews(OrigParamViews):
         no rows, so that collectives over the gradients (``clip_grad_norm_``) run alike on every
         rank. Then the post-accumulate-grad hooks of those the last backward reached run, with the
         reduced gradient in place (optimizer-in-backward)."""
-        assert grad is None or grad._base is None, "the DTensor gradients' views keep their base alive"
+        assert grad is None or not is_view(grad), "the DTensor gradients' views keep their base alive"
         if self._shown_unreduced:  # that sum was reduced: its views would keep it alive
             self.drop_resting_grads()
         self._grad = None if grad is None else weakref.ref(grad)
@@ -359,7 +360,7 @@ class DTensorParamViews(OrigParamViews):
         due, self._hooks_due = self._hooks_due, ()
         for slot, is_due in zip(self.slots, due):
             if is_due and slot.live_param.grad is not None:
-                for hook in (getattr(slot.live_param, "_post_accumulate_grad_hooks", None) or {}).values():
+                for hook in post_accumulate_grad_hooks(slot.live_param):
                     hook(slot.live_param)
 
     def _local_grad(self, grad: torch.Tensor, index: int) -> torch.Tensor:
@@ -471,7 +472,7 @@ def _sharded_part(value: torch.Tensor, layout: ParamLayout, index: int) -> torch
 def _local_of(param: torch.Tensor) -> torch.Tensor:
     """A DTensor Parameter's local tensor: the view of the shard it was built on."""
     assert isinstance(param, DTensor), "fully_shard's parameters at rest are DTensors"
-    return param._local_tensor
+    return local_tensor(param)
 
 
 def _grad_of(param: nn.Parameter, local: torch.Tensor) -> DTensor:
@@ -480,11 +481,9 @@ def _grad_of(param: nn.Parameter, local: torch.Tensor) -> DTensor:
     which was a third of the step's Python time). Built on ``local`` itself, as ``from_local``
     builds and as the parameters are, so that ``torch.compile`` can trace it (a compiled optimizer
     step: torchao's); one built on an empty stand-in fails there."""
-    return DTensor(local.view_as(local), cast(DTensor, param)._spec, requires_grad=False)
+    return dtensor(local.view_as(local), spec_of(param))
 
 
 def _point(param: nn.Parameter, like: DTensor) -> None:
     """``param`` (a DTensor Parameter) takes ``like``'s local tensor and placement metadata in place."""
-    dtensor = cast(DTensor, param)
-    dtensor._local_tensor = like._local_tensor
-    dtensor._spec = like._spec
+    rebind(param, local_tensor(like), spec_of(like))

@@ -16,12 +16,10 @@ Every unit reshards after a forward without grad, as FSDP1 units do: keeping tor
 after an evaluation forward let an optimizer built on ``parameters()`` train the root silently wrong.
 """
 
-from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Set, Union
 
 import torch
 from torch import nn
-from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem, _get_registry
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .._engine import collectives as comm
@@ -35,6 +33,7 @@ from .._engine.traversal import ParamSlot, is_fsdp_unit, iter_outermost_units, i
 from .._engine.unit_state import UnitState, state_of
 from .._engine.views import FLATTENED
 from .._state_dict.fully_shard_hooks import register_fully_shard_hooks
+from .._torch_internals import composable_apis_of, local_tensor, register_composable_api
 from ..api import (
     CPUOffloadPolicy,
     DataParallelMeshDims,
@@ -245,7 +244,7 @@ def _managed_slots(module: nn.Module, ignored_ids: Set[int], placement_fn: Optio
             )
         if param.dim() == 0:
             raise ValueError(f"fully_shard doesn't support scalar parameters. Change {slot.fqn} to a 1D tensor with numel equal to 1.")
-        local = param._local_tensor if isinstance(param, DTensor) else param
+        local = local_tensor(param) if isinstance(param, DTensor) else param
         if isinstance(param, DTensor) and any(placement.is_partial() for placement in param.placements):
             raise RuntimeError(  # torch's type; it raises at the first forward ("Can not redistribute from R to P")
                 f"fsdp1: parameter '{slot.fqn}' is a DTensor with a partial placement {tuple(param.placements)}: its "
@@ -279,15 +278,14 @@ def _managed_elsewhere(module: nn.Module) -> bool:
 def _is_replicated(module: nn.Module) -> bool:
     """Whether torch's composable ``replicate`` (DDP) manages ``module``: its parameters stay out of
     the group, as torch's ``fully_shard`` leaves them."""
-    return "replicate" in (_get_registry(module) or {})
+    return "replicate" in composable_apis_of(module)
 
 
 def _register_as_fully_shard(module: nn.Module) -> None:
     """Enter ``module`` in torch's registry of composable APIs under ``fully_shard``, as torch's does,
     so that torch's ``replicate`` leaves it (and its parameters) out, and torch's own ``fully_shard``
     refuses it as applied twice."""
-    registry = module.__dict__.setdefault(REGISTRY_KEY, OrderedDict())
-    registry["fully_shard"] = RegistryItem()
+    register_composable_api(module, "fully_shard")
 
 
 def _sharded_elsewhere(module: nn.Module) -> Callable[[nn.Parameter], Optional[str]]:

@@ -17,10 +17,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from .._engine import collectives as comm
 from .._engine.dtensors import MeshPlacements
+from .._torch_internals import StridedShard, concatenate_meshes, dtensor, flatten_mesh, local_tensor, spec_of
 from ..api import DataParallelMeshDims
 
 
@@ -53,7 +53,7 @@ class ParamSharding:
             return unsharded
         spec = self._computing_specs.get(unsharded.dtype)
         if spec is None:  # made once per dtype, not on every forward
-            spec = self._computing_specs[unsharded.dtype] = self.computing.dtensor(unsharded, self.shape)._spec
+            spec = self._computing_specs[unsharded.dtype] = spec_of(self.computing.dtensor(unsharded, self.shape))
         return _ComputingDTensor.apply(unsharded, spec, self.kept_dims)
 
     def shown_unsharded(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -67,7 +67,7 @@ class ParamSharding:
         """The gathered-buffer tensor under what ``shown_unsharded`` gave (or a full value of the
         local shape)."""
         if isinstance(tensor, DTensor) and self.computing is not None:
-            return tensor._local_tensor
+            return local_tensor(tensor)
         return tensor
 
     def local_of_full(self, full: torch.Tensor) -> torch.Tensor:
@@ -87,7 +87,7 @@ class _ComputingDTensor(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, local: torch.Tensor, spec: Any, kept_dims: Tuple[int, ...]) -> DTensor:
         ctx.spec, ctx.kept_dims = spec, kept_dims
-        return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
+        return dtensor(local.view_as(local), spec, requires_grad=local.requires_grad)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None]:
@@ -97,7 +97,7 @@ class _ComputingDTensor(torch.autograd.Function):
                        for dim, placement in enumerate(ctx.spec.placements))
         if tuple(grad.placements) != wanted:
             grad = grad.redistribute(placements=wanted)
-        local = grad._local_tensor
+        local = local_tensor(grad)
         wait = getattr(local, "wait", None)  # a redistribution's result may still be in flight
         return (wait() if callable(wait) else local), None, None
 
@@ -125,7 +125,7 @@ class DataParallelMesh:
         shard_mesh = _submesh(mesh, dp_mesh_dims.shard_names)
         if self.replicates:
             replicate_mesh = _submesh(mesh, dp_mesh_dims.replicate_names)
-            self.mesh = comm.DeviceMesh._concatenate([replicate_mesh, shard_mesh])
+            self.mesh = concatenate_meshes([replicate_mesh, shard_mesh])
         else:
             self.mesh = shard_mesh
 
@@ -158,16 +158,16 @@ class DataParallelMesh:
         return ParamSharding(param.shape, param.shape, shard_dim, MeshPlacements(self.mesh, placements))
 
     def _tensor_parallel_sharding(self, param: DTensor, shard_dim: int) -> ParamSharding:
-        spec = param._spec
+        spec = spec_of(param)
         if len(spec.placements) > 2:
             raise NotImplementedError(f"FSDP only supports 1D TP/EP or 2D EP+TP, not {spec.placements}")  # torch's
         split_factor = spec.num_shards_map[shard_dim]
-        fsdp: Placement = _StridedShard(shard_dim, split_factor=split_factor) if split_factor > 1 else Shard(shard_dim)
+        fsdp: Placement = StridedShard(shard_dim, split_factor=split_factor) if split_factor > 1 else Shard(shard_dim)
         placements: Tuple[Placement, ...] = (fsdp, *spec.placements)
         if self.replicates:
             placements = (Replicate(), *placements)
-        mesh = comm.DeviceMesh._concatenate([self.mesh, spec.mesh])
-        return ParamSharding(param.shape, param._local_tensor.shape, shard_dim, MeshPlacements(mesh, placements),
+        mesh = concatenate_meshes([self.mesh, spec.mesh])
+        return ParamSharding(param.shape, local_tensor(param).shape, shard_dim, MeshPlacements(mesh, placements),
                              computing=MeshPlacements(spec.mesh, tuple(spec.placements)))
 
     def _spmd_sharding(self, param: nn.Parameter, shard_dim: int, fqn: str) -> ParamSharding:
@@ -178,7 +178,7 @@ class DataParallelMesh:
                 "When dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD mesh (e.g. via "
                 f"distribute_module). Got plain tensor for parameter '{fqn}'."
             )
-        spec = param._spec
+        spec = spec_of(param)
         if spec.mesh != mesh:
             raise ValueError(  # torch's phrase
                 "Expected param's DTensor mesh to be the same mesh passed to fully_shard, but got different mesh "
@@ -200,11 +200,11 @@ class DataParallelMesh:
                 placement = spec.placements[later]
                 if isinstance(placement, Shard) and placement.dim == shard_dim:
                     split_factor *= mesh.size(later)
-            placements[index] = _StridedShard(shard_dim, split_factor=split_factor) if split_factor > 1 else Shard(shard_dim)
+            placements[index] = StridedShard(shard_dim, split_factor=split_factor) if split_factor > 1 else Shard(shard_dim)
         at_rest = MeshPlacements(mesh, tuple(placements))  # replicas only: the placements the parameter had
         if len(shard_dims) > 1:
             at_rest = self._flattened_sharding(placements, shard_dims)
-        return ParamSharding(param.shape, param._local_tensor.shape, shard_dim, at_rest,
+        return ParamSharding(param.shape, local_tensor(param).shape, shard_dim, at_rest,
                              computing=MeshPlacements(mesh, tuple(spec.placements)),
                              kept_dims=tuple(sorted(shard_dims + replicate_dims)))
 
@@ -227,11 +227,11 @@ class DataParallelMesh:
             else:
                 submeshes.append(mesh[name])
                 shown.append(placements[index])
-        return MeshPlacements(comm.DeviceMesh._concatenate(submeshes), tuple(shown))
+        return MeshPlacements(concatenate_meshes(submeshes), tuple(shown))
 
 
 def _submesh(mesh: comm.DeviceMesh, names: Tuple[str, ...]) -> comm.DeviceMesh:
     """The dims ``names`` of ``mesh``; several are flattened into one, as torch's FSDP2 does."""
     if len(names) == 1:
         return mesh[names[0]]
-    return mesh[names]._flatten("_".join(names))
+    return flatten_mesh(mesh[names], "_".join(names))

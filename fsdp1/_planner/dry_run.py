@@ -30,10 +30,19 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple, Ty
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves, tree_map
 
+from .._torch_internals import (
+    TorchDispatchMode,
+    efficient_attention,
+    fake_store,
+    flash_attention_for_cpu,
+    local_tensor,
+    storage_key,
+    tree_leaves,
+    tree_map,
+)
 from .live_memory import LiveStorageTracker
 from .settings import Settings, apply
 
@@ -44,12 +53,10 @@ STEPS = 2
 @contextlib.contextmanager
 def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
     """Make this process ``rank`` of ``world_size`` ranks whose collectives move nothing."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-
     if dist.is_initialized():
         raise RuntimeError("fsdp1: a fake process group replaces none: this process already has a default one.")
     excepthook = sys.excepthook  # init_process_group wraps it to prefix the rank, once a group made
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
@@ -118,18 +125,15 @@ class FusedAttention:
                 enable_gqa: bool = False) -> torch.Tensor:
         if attn_mask is not None and attn_mask.dtype == torch.bool:  # made a float mask first, as sdpa does
             attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(~attn_mask, float("-inf"))
-        aten = torch.ops.aten
         if self._device_type == "cpu" and dropout_p > 0:  # no fused kernel on a CPU: the math path, as there
             assert self._original is not None
             return self._original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
         if self._device_type == "cpu":  # its flash kernel takes fewer key and value heads as they are
-            return aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, dropout_p, is_causal,
-                                                                     attn_mask=attn_mask, scale=scale)[0]
+            return flash_attention_for_cpu(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
         if enable_gqa and key.shape[-3] != query.shape[-3]:  # memory-efficient attention wants every head
             repeats = query.shape[-3] // key.shape[-3]
             key, value = key.repeat_interleave(repeats, -3), value.repeat_interleave(repeats, -3)
-        return aten._scaled_dot_product_efficient_attention(query, key, value, attn_mask, True, dropout_p, is_causal,
-                                                             scale=scale)[0]
+        return efficient_attention(query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale)[0]
 
 
 @dataclass(frozen=True)
@@ -269,7 +273,7 @@ def _flop_counter() -> Any:
 
 
 def _local_numel(param: torch.Tensor) -> int:
-    local = getattr(param, "_local_tensor", param)  # a DTensor counts what this rank holds
+    local = local_tensor(param) if isinstance(param, DTensor) else param  # a DTensor counts what this rank holds
     return local.numel()
 
 
@@ -279,5 +283,5 @@ def _bytes(tree: List[Any]) -> int:
 
     seen: Dict[int, int] = {}
     for storage in storages(tree):
-        seen[storage._cdata] = storage.nbytes()
+        seen[storage_key(storage)] = storage.nbytes()
     return sum(seen.values())

@@ -26,8 +26,8 @@ import weakref
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Set, Tuple
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_leaves
+
+from .._torch_internals import TorchDispatchMode, is_traceable_wrapper_subclass, storage_key, tree_leaves
 
 
 def storages(tree: Any) -> Iterator[torch.UntypedStorage]:
@@ -64,7 +64,7 @@ class LiveStorageTracker(TorchDispatchMode):
 
     def serials_of(self, tree: Any) -> Set[int]:
         """The serial numbers of the storages of the tensors in ``tree`` that this tracker counts."""
-        return {self._serials[s._cdata] for s in storages(tree) if s._cdata in self._serials}
+        return {self._serials[storage_key(s)] for s in storages(tree) if storage_key(s) in self._serials}
 
     def peak_without(self, excluded: Iterable[int]) -> int:
         """The peak since ``reset_peak()`` had the storages of serial numbers ``excluded`` not counted
@@ -100,16 +100,16 @@ class LiveStorageTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        untracked = [s for s in storages(out) if s._cdata not in self._nbytes]  # views and in-place results are not
+        untracked = [s for s in storages(out) if storage_key(s) not in self._nbytes]  # views and in-place results are not
         if untracked:
-            inputs = {s._cdata for s in storages((args, kwargs))}  # an input that predates the tracker is not new
+            inputs = {storage_key(s) for s in storages((args, kwargs))}  # an input that predates the tracker is not new
             for storage in untracked:
-                if storage._cdata not in inputs:
+                if storage_key(storage) not in inputs:
                     self._track(storage)
         return out
 
     def _track(self, storage: torch.UntypedStorage) -> None:
-        key = storage._cdata
+        key = storage_key(storage)
         if key in self._nbytes:
             return
         self._nbytes[key] = 0
@@ -119,8 +119,8 @@ class LiveStorageTracker(TorchDispatchMode):
         weakref.finalize(storage, self._forget, key, serial)
 
     def _resized(self, storage: torch.UntypedStorage) -> None:
-        if storage._cdata in self._nbytes:
-            self._set(storage._cdata, storage.nbytes())
+        if storage_key(storage) in self._nbytes:
+            self._set(storage_key(storage), storage.nbytes())
 
     def _forget(self, key: int, serial: int) -> None:
         if self._serials.get(key) == serial:

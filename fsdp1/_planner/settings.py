@@ -13,12 +13,13 @@ with a test of identity, so the blocks keep their names and the same call serves
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Type, Union
 
 import torch
 from torch import nn
 
 from .._fully_shard.fully_shard import fully_shard
+from .._torch_internals import checkpoint_wrapper_api
 from .._wrapper.fully_sharded_data_parallel import FullyShardedDataParallel
 from ..api import (
     BackwardPrefetch,
@@ -113,12 +114,6 @@ def apply(settings: Settings, model: nn.Module, classes: Tuple[Type[nn.Module], 
     """Shard ``model`` as ``settings`` say, then checkpoint its first blocks; returns the root.
     ``mesh``: the device mesh (FSDP1: HYBRID strategies only); ``fsdp_kwargs`` go to the FSDP1
     constructor or to every ``fully_shard`` call."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointImpl,
-        apply_activation_checkpointing,
-        checkpoint_wrapper,
-    )
-
     blocks = blocks_of(model, classes)
     checkpointed = set(blocks[: settings.checkpointed])
     if settings.api == FSDP1:
@@ -137,9 +132,19 @@ def apply(settings: Settings, model: nn.Module, classes: Tuple[Type[nn.Module], 
                         offload_policy=offload, **fsdp_kwargs)
         fully_shard(model, mesh=mesh, mp_policy=precision, offload_policy=offload, **fsdp_kwargs)
     if checkpointed:
-        wrapper = lambda module: checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT)  # noqa: E731
-        apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: m in checkpointed)
+        _checkpoint(model, checkpointed)
     return model
+
+
+def _checkpoint(model: nn.Module, blocks: Set[nn.Module]) -> None:
+    """Put each of ``blocks`` inside torch's ``checkpoint_wrapper`` where it stands, as torch's
+    ``apply_activation_checkpointing`` would, without it: that one imports torch's FSDP1 to walk the
+    model, which fsdp1 needs nothing of."""
+    api = checkpoint_wrapper_api()
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if child in blocks:
+                setattr(parent, name, api.checkpoint_wrapper(child, checkpoint_impl=api.CheckpointImpl.NO_REENTRANT))
 
 
 def code(settings: Settings, classes: Tuple[Type[nn.Module], ...], num_blocks: int, hybrid: bool) -> str:

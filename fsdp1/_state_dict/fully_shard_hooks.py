@@ -15,6 +15,7 @@ from .._engine.handle import FlatParamHandle
 from .._engine.layout import ParamLayout
 from .._engine.traversal import is_fsdp_unit, iter_param_slots
 from .._engine.unit_state import state_of
+from .._torch_internals import local_tensor, spec_of
 
 
 class ShardsFullValues(Protocol):
@@ -55,7 +56,7 @@ def register_fully_shard_hooks(module: nn.Module, handle: FlatParamHandle, shard
         for fqn, _ in own:  # ``state_dict()`` detached them, which gives each wrapper its view's offset
             value = state_dict.get(prefix + fqn)
             if isinstance(value, DTensor) and value.storage_offset() != 0:
-                state_dict[prefix + fqn] = viewing(value._local_tensor, value._spec)
+                state_dict[prefix + fqn] = viewing(local_tensor(value), spec_of(value))
 
     module.register_state_dict_pre_hook(before_save)
     module.register_state_dict_post_hook(after_save)

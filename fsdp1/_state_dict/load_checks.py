@@ -11,13 +11,19 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _NormBase
 
 from .._engine import collectives as comm
 from .._engine.flat_parameter import FlatParameter
 from .._engine.traversal import clean_fqn, is_fsdp_unit
 from .._engine.unit_state import state_of
 from .._engine.views import FLAT_PARAM, FLATTENED
+from .._torch_internals import (
+    NormBase,
+    has_load_state_dict_pre_hooks,
+    is_checkpoint_wrapper,
+    is_persistent_buffer,
+    loads_state_dict_its_own_way,
+)
 from ..api import StateDictType
 from .settings import state_dicts_of
 
@@ -92,7 +98,7 @@ def _expected_entries(unit: nn.Module) -> Tuple[Dict[str, Optional[torch.Size]],
         if is_fsdp_unit(module):
             _add_unit_entries(module, dot, expected)
             continue
-        if isinstance(module, _NormBase) and not module._load_state_dict_pre_hooks:
+        if isinstance(module, NormBase) and not has_load_state_dict_pre_hooks(module):
             untracked = [dot + name for name in ("running_mean", "running_var") if module._buffers.get(name) is None]
             exempt += [dot + "num_batches_tracked", *untracked]
         elif _loads_in_own_way(module):
@@ -101,7 +107,7 @@ def _expected_entries(unit: nn.Module) -> Tuple[Dict[str, Optional[torch.Size]],
             if param is not None and not isinstance(param, FlatParameter) and not getattr(param, FLATTENED, False):
                 expected[dot + attr] = param.shape
         for attr, buffer in module._buffers.items():
-            if buffer is not None and attr not in module._non_persistent_buffers_set:
+            if buffer is not None and is_persistent_buffer(module, attr):
                 expected[dot + attr] = buffer.shape
         if type(module).get_extra_state is not nn.Module.get_extra_state:
             expected[dot + "_extra_state"] = None
@@ -120,9 +126,9 @@ def _add_unit_entries(unit: nn.Module, dot: str, expected: Dict[str, Optional[to
 
 
 def _loads_in_own_way(module: nn.Module) -> bool:
-    if hasattr(module, "_checkpoint_wrapped_module"):  # only renames keys, which the checks already undo
+    if is_checkpoint_wrapper(module):  # only renames keys, which the checks already undo
         return False
-    return type(module)._load_from_state_dict is not nn.Module._load_from_state_dict or bool(module._load_state_dict_pre_hooks)
+    return loads_state_dict_its_own_way(module)
 
 
 def agree_on(unit: nn.Module, prefix: str, problem: Optional[str]) -> None:

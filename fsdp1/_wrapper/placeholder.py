@@ -7,6 +7,8 @@ bounds.
 
 import torch
 
+from .._torch_internals import torch_function_subclass_disabled, wrapper_subclass
+
 
 class ShardedParamPlaceholder(torch.Tensor):
     """What ``module.<name>`` holds for an original parameter while its unit is sharded and
@@ -32,14 +34,14 @@ class ShardedParamPlaceholder(torch.Tensor):
 
     @staticmethod
     def __new__(cls, fqn: str, shape: torch.Size, like: torch.Tensor) -> "ShardedParamPlaceholder":
-        placeholder = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=like.dtype, device=like.device)
+        placeholder = wrapper_subclass(cls, shape, like)
         placeholder._fqn = fqn
         return placeholder
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if func in cls._METADATA:
-            with torch._C.DisableTorchFunctionSubclass():
+            with torch_function_subclass_disabled():
                 return func(*args, **(kwargs or {}))
         placeholder = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, cls))
         raise RuntimeError(
