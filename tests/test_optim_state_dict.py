@@ -410,3 +410,37 @@ def test_shard_and_scatter_full_optim_state_dict_without_optim_give_torchs_dict(
         assert same_values(ours_scattered, theirs_scattered)
         assert same_values(ours_params, theirs_params)  # after a step from the loaded state
         assert ours_warned == theirs_warned == [("FutureWarning", True, True)] * 2
+
+
+def _renamed_key(kind, use_orig_params):
+    """A FULL (also rank0_only, where only rank 0 holds the dict) or SHARDED optimizer state dict with
+    one parameter's key renamed: refused on every rank, naming the key, with the optimizer untouched
+    (torch's FSDP1 drops that parameter's state without a word)."""
+    import fsdp1
+
+    model = wrap_fsdp1(make_gpt(), use_orig_params=use_orig_params)
+    optim = _optimizer(model, "adam")
+    train_steps(model, optim, 0, 1)
+    rank0_only = kind == "rank0_only"
+    settings = ((StateDictType.SHARDED_STATE_DICT,) if kind == "sharded" else
+                (StateDictType.FULL_STATE_DICT, None, fsdp1.FullOptimStateDictConfig(rank0_only=rank0_only)))
+    with FSDP.state_dict_type(model, *settings):
+        saved = FSDP.optim_state_dict(model, optim)
+        if not rank0_only or dist.get_rank() == 0:
+            saved["state"]["blocks.0.fc.weightX"] = saved["state"].pop("blocks.0.fc.weight")
+        fresh = _optimizer(model, "adam")
+        try:
+            FSDP.optim_state_dict_to_load(model, fresh, saved, load_directly=True)
+            refusal = None
+        except ValueError as error:
+            refusal = str(error)
+    return refusal, len(fresh.state)
+
+
+@pytest.mark.parametrize("kind", ["full", "rank0_only", "sharded"])
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_state_for_a_name_no_parameter_has_is_refused_on_every_rank(kind, use_orig_params):
+    for refusal, states in run_on_ranks(2, _renamed_key, kind, use_orig_params):
+        assert refusal is not None and "'blocks.0.fc.weightX'" in refusal and "rank 0's" in refusal
+        assert "_fsdp_wrapped_module" not in refusal
+        assert states == 0

@@ -227,6 +227,7 @@ def _to_load(model: nn.Module, order: Sequence[torch.Tensor], group_sizes: Optio
         shared = comm.broadcast_object_from_first({"param_groups": given.get("param_groups"), "plain": plain}, comm.default_group())
         given = {"state": {**by_name, **shared["plain"]}, "param_groups": shared["param_groups"]}
         by_name = given["state"]
+    _refuse_unknown_names(by_name, params, mode)
     groups = given.get("param_groups")
     if "state" not in given or groups is None or (group_sizes is not None and len(groups) != len(group_sizes)):
         needed = "both" if group_sizes is None else f"{len(group_sizes)} group(s), as this optimizer has"
@@ -256,6 +257,24 @@ def _to_load(model: nn.Module, order: Sequence[torch.Tensor], group_sizes: Optio
                               "params": list(range(start, start + size))})
         start += size
     return {"state": state, "param_groups": loaded_groups}
+
+
+def _refuse_unknown_names(by_name: Dict[str, State], params: OptimizerParams, mode: _Given) -> None:
+    """Refuse, on every rank at once, state for a name none of the optimizer's parameters has (a
+    renamed or another model's parameter), whose state the load would otherwise drop without a word
+    (torch's does)."""
+    known = {fqn for fqns in params.fqns_at.values() for fqn in fqns}
+    unknown = sorted(name for name in by_name if name not in known)
+    if mode is _Given.ON_RANK0 and comm.global_rank() != 0:
+        unknown = []  # only rank 0 was given the dict
+    found = [(rank, names) for rank, names in enumerate(comm.all_gather_object(unknown, comm.default_group())) if names]
+    if found:
+        rank, names = found[0]
+        raise ValueError(
+            f"fsdp1: the optimizer state dict (rank {rank}'s) holds state for {_few(names)} that no parameter of this "
+            "optimizer has; nothing was loaded. Pass the dict FullyShardedDataParallel.optim_state_dict() gave for "
+            "this model and optimizer, or rename its keys to the model's parameter names."
+        )
 
 
 def _groups_by_position(groups: List[State], params: OptimizerParams) -> List[State]:
