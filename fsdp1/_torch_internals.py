@@ -43,7 +43,6 @@ PATHS = (
     "torch.nn.modules.batchnorm._BatchNorm",
     "torch.nn.modules.batchnorm._NormBase",
     "torch.nn.Module._register_state_dict_hook",
-    "torch.nn.Module._register_load_state_dict_pre_hook",
     "torch.nn.Module._load_from_state_dict",
     "torch.utils._python_dispatch.TorchDispatchMode",
     "torch.utils._python_dispatch.is_traceable_wrapper_subclass",
@@ -209,13 +208,10 @@ def group_timeout(group: ProcessGroup) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------- nn.Module
-def register_state_dict_hooks(module: nn.Module, post_state_dict: Callable[..., Any],
-                              pre_load_state_dict: Callable[..., Any]) -> None:
-    """The state-dict hooks torch's FSDP1 registers: a post-hook that may return a new dict, and a
-    load pre-hook given the module. The public ``register_state_dict_post_hook`` must change the dict
-    in place, and the public load pre-hook is not given the module in every release."""
+def register_state_dict_hook(module: nn.Module, post_state_dict: Callable[..., Any]) -> None:
+    """The state-dict post-hook torch's FSDP1 registers, which may return a new dict; the public
+    ``register_state_dict_post_hook`` must change the dict in place."""
     module._register_state_dict_hook(post_state_dict)
-    module._register_load_state_dict_pre_hook(pre_load_state_dict, with_module=True)
 
 
 def has_load_state_dict_pre_hooks(module: nn.Module) -> bool:

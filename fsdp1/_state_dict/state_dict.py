@@ -35,7 +35,7 @@ from .._engine.handle import FlatParamHandle
 from .._engine.traversal import FSDP_PREFIX, FSDP_WRAPPED_MODULE, clean_fqn, fsdp_units
 from .._engine.unit_state import adopt_replaced_flat_params, state_of
 from .._engine.views import FLAT_PARAM
-from .._torch_internals import register_state_dict_hooks
+from .._torch_internals import register_state_dict_hook
 from ..api import (
     STATE_DICT_CONFIG_TYPES,
     FullStateDictConfig,
@@ -57,7 +57,8 @@ def register_hooks(unit: nn.Module, saves_full_only: bool) -> None:
     """The unit's state-dict settings, and the hooks that translate between the wrapped module's
     keys and the clean ones."""
     unit.__dict__[STATE_DICT_STATE] = UnitStateDicts(saves_full_only)
-    register_state_dict_hooks(unit, _post_state_dict, _pre_load_state_dict)
+    register_state_dict_hook(unit, _post_state_dict)
+    unit.register_load_state_dict_pre_hook(_pre_load_state_dict)  # given the module, as torch's private one with_module
     unit.register_load_state_dict_post_hook(_post_load_state_dict)
 
 
