@@ -11,7 +11,7 @@ setup(
     license="BSD-3-Clause",
     packages=find_packages(include=["fsdp1", "fsdp1.*"]),
     python_requires=">=3.10",
-    # The whole suite passes on torch 2.13 and 2.14 (fsdp1._torch_version.TESTED_TORCH, which warns at
+    # The whole suite passes on torch 2.13, 2.14 and 2.15 (fsdp1._torch_version.TESTED_TORCH, which warns at
     # import on any other release). Only the lower bound is required: a cap would make pip replace a
     # user's newer torch, where the warning says what is untested.
     install_requires=["torch>=2.13"],

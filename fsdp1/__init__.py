@@ -7,7 +7,14 @@ configuration, and FSDP2's ``fully_shard`` with its policies, on the same engine
 from . import comm_hooks, sharded_grad_scaler  # noqa: F401 - fsdp1.comm_hooks, fsdp1.sharded_grad_scaler
 from ._engine.collectives import ProcessGroupBroken  # noqa: F401 - fsdp1's own, so not in torch's __all__
 from ._engine.flat_parameter import FlatParameter  # noqa: F401 - importable, not in __all__, as in torch
-from ._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx
+from ._fully_shard import (
+    FSDPModule,
+    GradientReductionHandle,
+    UnshardHandle,
+    fully_shard,
+    register_fsdp_forward_method,
+    share_comm_ctx,
+)
 from ._torch_alias import use_as_torch_fsdp  # noqa: F401 - fsdp1's own, so not in torch's __all__
 from ._torch_recognition import recognise_fsdp1_in_torch
 from ._torch_version import warn_if_untested
@@ -48,6 +55,7 @@ __all__ = [
     "FullOptimStateDictConfig",
     "FullStateDictConfig",
     "FullyShardedDataParallel",
+    "GradientReductionHandle",
     "LocalOptimStateDictConfig",
     "LocalStateDictConfig",
     "MixedPrecision",

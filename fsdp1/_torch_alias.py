@@ -24,7 +24,14 @@ import sys
 from types import ModuleType
 from typing import Any, List, Optional, Tuple
 
-from ._fully_shard import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method, share_comm_ctx
+from ._fully_shard import (
+    FSDPModule,
+    GradientReductionHandle,
+    UnshardHandle,
+    fully_shard,
+    register_fsdp_forward_method,
+    share_comm_ctx,
+)
 from .api import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, OffloadPolicy
 from .fully_sharded_data_parallel import FullyShardedDataParallel
 from .sharded_grad_scaler import ShardedGradScaler
@@ -51,7 +58,7 @@ FSDP2_NAMES = {
     "fully_shard": fully_shard, "FSDPModule": FSDPModule, "UnshardHandle": UnshardHandle,
     "register_fsdp_forward_method": register_fsdp_forward_method, "MixedPrecisionPolicy": MixedPrecisionPolicy,
     "OffloadPolicy": OffloadPolicy, "CPUOffloadPolicy": CPUOffloadPolicy, "share_comm_ctx": share_comm_ctx,
-    "DataParallelMeshDims": DataParallelMeshDims,
+    "DataParallelMeshDims": DataParallelMeshDims, "GradientReductionHandle": GradientReductionHandle,
 }
 """fsdp1's FSDP2 names, each put where torch's of that name is (where the module has it)."""
 

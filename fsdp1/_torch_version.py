@@ -10,7 +10,7 @@ from typing import Tuple
 
 import torch
 
-TESTED_TORCH = ((2, 13), (2, 14))
+TESTED_TORCH = ((2, 13), (2, 15))
 """The first and last torch releases (major, minor) the whole suite ran on."""
 
 
@@ -29,3 +29,11 @@ def warn_if_untested(version: str = torch.__version__) -> None:
             f"not been checked against torch's FSDP on this release: install torch {tested} to be sure.",
             stacklevel=3,
         )
+
+
+FULLY_SHARD_FOLLOWS_GRAD_DTYPE = release(torch.__version__) >= (2, 15)
+"""From torch 2.15 on, ``fully_shard``'s gradients follow each parameter's ``grad_dtype``: with
+``param_dtype`` set and ``reduce_dtype=None`` they reduce in the parameter's own dtype (in ``param_dtype``
+before), and the unsharded parameters add up their gradients in the reduction's dtype. A documented
+change of torch's, not a fix: fsdp1 follows the release it runs on, whose documentation its users
+read. FSDP1 keeps ``param_dtype``."""

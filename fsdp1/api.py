@@ -10,7 +10,7 @@ Accelerate), running unchanged.
 import dataclasses
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import Optional, Sequence, Tuple, Type, TypeVar, Union
+from typing import Callable, Optional, Sequence, Tuple, Type, TypeVar, Union
 
 import torch
 
@@ -92,6 +92,10 @@ class MixedPrecisionPolicy:
     reduce_dtype: Optional[torch.dtype] = None
     output_dtype: Optional[torch.dtype] = None
     cast_forward_inputs: bool = True
+    param_dtype_override_fn: Optional[Callable[[torch.nn.Parameter], Optional[torch.dtype]]] = dataclasses.field(
+        default=None, kw_only=True)
+    """Per parameter, at ``fully_shard``: None or ``param_dtype`` gathers it in ``param_dtype``, its own
+    dtype keeps it in that (torch 2.15's field, offered on every release)."""
 
 
 @dataclass

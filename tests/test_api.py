@@ -1,7 +1,7 @@
 """Tests the drop-in surface: fsdp1 offers torch's public FSDP names, FSDP1's constructor signature and
 config fields, accepts torch's own enum members, and never imports torch.distributed.fsdp. For
 ``fully_shard`` (torch's FSDP2 API): the exported names, and the signatures of ``fully_shard``, the
-policies and the 23 public methods of ``FSDPModule``, as torch's."""
+policies and the 26 public methods of ``FSDPModule`` (torch 2.15's, on every release), as torch's."""
 
 import dataclasses
 import inspect
@@ -16,11 +16,13 @@ from torch import nn
 from torch.distributed.fsdp import wrap as torch_wrap
 
 import fsdp1
+from fsdp1._torch_version import release
 from fsdp1.api import coerce_enum
 
 
 def test_every_name_of_torch_is_exported():
-    assert sorted(fsdp1.__all__) == sorted(torch_fsdp.__all__)  # FSDP1's and FSDP2's
+    newer = [] if release(torch.__version__) >= (2, 15) else ["GradientReductionHandle"]  # torch 2.15's, on every release
+    assert sorted(fsdp1.__all__) == sorted(torch_fsdp.__all__ + newer)  # FSDP1's and FSDP2's
     assert hasattr(fsdp1, "FlatParameter")
     assert hasattr(fsdp1, "use_as_torch_fsdp")
 
@@ -119,12 +121,23 @@ def test_the_names_signatures_and_methods_are_torchs():
     def parameters(fn):
         return [(p.name, p.kind, repr(p.default)) for p in inspect.signature(fn).parameters.values()]
 
-    assert parameters(fsdp1.fully_shard) == parameters(torch_fsdp.fully_shard)
-    assert parameters(fsdp1.MixedPrecisionPolicy) == parameters(torch_fsdp.MixedPrecisionPolicy)
+    def methods(cls):
+        return {n for n in dir(cls) if not n.startswith("_") and n not in dir(nn.Module)}
+
+    # torch 2.15's additions, which fsdp1 offers on every release
+    newer_fields = [("param_dtype_override_fn", inspect.Parameter.KEYWORD_ONLY, "None")]
+    newer_methods = {"set_manual_backward_finalization", "finalize_backward", "set_keep_unsharded_storage"}
+    has_newer = release(torch.__version__) >= (2, 15)
+    ours = parameters(fsdp1.fully_shard)
+    if not has_newer:  # the default policy's repr shows the newer field
+        ours = [(name, kind, default.replace(", param_dtype_override_fn=None", "")) for name, kind, default in ours]
+    assert ours == parameters(torch_fsdp.fully_shard)
+    assert parameters(fsdp1.MixedPrecisionPolicy) == parameters(torch_fsdp.MixedPrecisionPolicy) + ([] if has_newer else newer_fields)
     assert parameters(fsdp1.CPUOffloadPolicy) == parameters(torch_fsdp.CPUOffloadPolicy)
     assert issubclass(fsdp1.CPUOffloadPolicy, fsdp1.OffloadPolicy)
-    torch_methods = {n for n in dir(torch_fsdp.FSDPModule) if not n.startswith("_") and n not in dir(nn.Module)}
-    assert len(torch_methods) == 23
+    torch_methods = methods(torch_fsdp.FSDPModule)
+    assert len(torch_methods) == (26 if has_newer else 23)
+    assert methods(fsdp1.FSDPModule) == torch_methods | newer_methods | {"summon_full_params", "no_sync"}  # and fsdp1's two
     for name in torch_methods:
         assert parameters(getattr(fsdp1.FSDPModule, name)) == parameters(getattr(torch_fsdp.FSDPModule, name)), name
 
@@ -135,11 +148,11 @@ def test_an_untested_torch_release_is_named_once_at_import():
     import subprocess
     import sys
 
-    from fsdp1._torch_version import TESTED_TORCH, release, warn_if_untested
+    from fsdp1._torch_version import TESTED_TORCH, warn_if_untested
 
     assert release("2.13.0+cpu") == (2, 13) and release("2.14.0a0+git1234") == (2, 14)
-    for version in ("2.12.1", "2.15.0", "3.0.0"):
-        with pytest.warns(UserWarning, match=f"tested on torch 2.13 to 2.14; this is torch {version}"):
+    for version in ("2.12.1", "2.16.0", "3.0.0"):
+        with pytest.warns(UserWarning, match=f"tested on torch 2.13 to 2.15; this is torch {version}"):
             warn_if_untested(version)
     assert TESTED_TORCH[0] <= release(torch.__version__) <= TESTED_TORCH[1]
     subprocess.run([sys.executable, "-W", "error", "-c", "import fsdp1"], check=True)

@@ -70,7 +70,7 @@ def test_torchs_helpers_recognise_both_classes_whatever_the_import_order():
              "        assert issubclass(fsdp1.FullyShardedDataParallel, cls)\n"
              "    for cls in (stage.FSDPModule, schedules.FSDPModule):\n"
              "        assert issubclass(TorchModule, cls) and issubclass(fsdp1.FSDPModule, cls)\n"
-             "    assert stage.fully_shard.state is not None\n")
+             "    assert not hasattr(stage, 'fully_shard') or stage.fully_shard.state is not None\n")  # before 2.15
     modules = ("import torch.distributed.checkpoint.state_dict as helpers, torch.distributed.pipelining.stage as stage\n"
                "import torch.distributed.pipelining.schedules as schedules, torch.distributed.optim.named_optimizer as named\n")
     orders = {

@@ -150,6 +150,7 @@ class FlatParamHandle:
                              self.compute_device, self._offloaded)
         self.conversions = ShardConversions(self, self.layout, self.group)
         self.state = HandleState.UNSHARDED
+        self.keeps_unsharded_storage = False  # set_keep_unsharded_storage: resharding keeps the buffers' storage
         if self._needs_unshard:
             self._free_unsharded()
         self._gather_work: Optional[comm.Waitable] = None
@@ -445,11 +446,20 @@ class FlatParamHandle:
                 self._free_unsharded()
 
     def _free_unsharded(self) -> None:
-        if self._unsharded_buffer is not self._local_shard:
+        if self._unsharded_buffer is not self._local_shard and not self.keeps_unsharded_storage:
             free_storage(self._unsharded_buffer)
         self._unsharded_buffer = self._full_precision_buffer
         self.state = HandleState.SHARDED
         self.views.show_sharded(self._local_shard, self.layout)
+
+    def set_keeps_unsharded_storage(self, keep: bool) -> None:
+        """Whether resharding keeps the unsharded buffers' storage (their addresses stay, for CUDA graph
+        capture); turned off at rest, what was kept is freed now."""
+        self.keeps_unsharded_storage = keep
+        if not keep and self.state is HandleState.SHARDED:
+            for buffer in (self._full_precision_buffer, self._low_precision_buffer):
+                if buffer is not None and buffer is not self._local_shard:
+                    free_storage(buffer)
 
     # ----------------------------------------------------------------------------- full parameters
     @contextlib.contextmanager

@@ -26,7 +26,7 @@ FULL_PRECISION_IN_EVAL_ENV = "FSDP_USE_FULL_PREC_IN_EVAL"
 class HandlePrecision:
     """The dtypes of one unit's flat parameter: ``param_dtype`` is what the all-gather and the
     computation use, ``reduce_dtype`` what the gradient is reduced in (``param_dtype`` when only
-    that is given, as torch's), ``orig_dtype`` what the shard, the optimizer and ``.grad`` keep,
+    that is given, as torch's, unless ``follows_grad_dtype``), ``orig_dtype`` what the shard, the optimizer and ``.grad`` keep,
     unless ``keep_low_precision_grads`` leaves ``.grad`` in ``param_dtype``. A dtype left unset
     follows ``orig_dtype``, also after ``.double()`` and friends."""
 
@@ -38,6 +38,10 @@ class HandlePrecision:
     accumulates_in_reduce_dtype: bool = False
     """Whether gradients kept unreduced across backwards (``no_sync``) add up in ``reduce_dtype``
     (torch's FSDP2) rather than in ``param_dtype`` on the flat parameter (torch's FSDP1)."""
+    follows_grad_dtype: bool = False
+    """``fully_shard`` from torch 2.15 on: an unset ``reduce_dtype`` reduces in ``orig_dtype`` (not in
+    ``param_dtype``, as FSDP1 and ``fully_shard`` before 2.15), and the unsharded parameters' gradients
+    add up in ``reduce_dtype`` (their ``grad_dtype``)."""
 
     @classmethod
     def of(cls, mixed_precision: Optional[MixedPrecision], orig_dtype: torch.dtype) -> "HandlePrecision":
@@ -52,7 +56,14 @@ class HandlePrecision:
 
     @property
     def reduce_dtype(self) -> torch.dtype:
-        return self.reduce_dtype_set or self.param_dtype_set or self.orig_dtype
+        if self.reduce_dtype_set is not None:
+            return self.reduce_dtype_set
+        return (None if self.follows_grad_dtype else self.param_dtype_set) or self.orig_dtype
+
+    @property
+    def unsharded_grad_dtype(self) -> Optional[torch.dtype]:
+        """The ``grad_dtype`` of Parameters over the unsharded buffer (None: their own dtype)."""
+        return self.reduce_dtype if self.follows_grad_dtype else None
 
     @property
     def is_mixed(self) -> bool:

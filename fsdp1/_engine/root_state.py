@@ -51,6 +51,8 @@ class Unit(UnitBuffers, Protocol):
 
     def take_resting_grads(self, reduce_now: bool) -> None: ...
 
+    def await_reduction_if_unreduced(self) -> None: ...
+
     def reduce_and_reshard(self) -> None: ...
 
     def finish_backward(self) -> None: ...
@@ -131,6 +133,24 @@ class ExecutionOrder(Generic[U]):
 _AT_REST = (TrainingState.IDLE, TrainingState.SUMMON_FULL_PARAMS)  # no forward or backward under way
 
 
+class ManualFinalization:
+    """``set_manual_backward_finalization``: the caller ends each logical backward (several backwards
+    that keep their gradients unreduced, say) with ``finalize_backward``, which reduces what they left.
+    fsdp1 still finishes each backward's reductions when autograd ends it, as it does without: the
+    gradients are the same, and no reduction waits across backwards. What this owns is torch's
+    rules of the mode: when it may change, and one asynchronous finalization awaited at a time."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self.started = False  # a backward ran under the mode since the last finalization
+        self.unwaited: Optional[object] = None  # the handle of an asynchronous finalization not waited on
+
+    def reset(self) -> None:
+        """``reset_iter_state``: the iteration's finalization is dropped, and its handle with it."""
+        self.started = False
+        self.unwaited = None
+
+
 class RootState(Generic[U]):
     """Runtime shared by a root and its units: the unit list, the final callback, reductions in flight.
 
@@ -153,6 +173,7 @@ class RootState(Generic[U]):
         self.order: ExecutionOrder[U] = ExecutionOrder()
         self.buffers = BufferPrecision(self.units)
         self._reductions: Deque[GradReduction] = deque()
+        self.manual_finalization = ManualFinalization()
 
     def start_iteration(self) -> None:
         """The root's forward: recover from an aborted iteration, then bring every unit up to date. A
@@ -163,6 +184,9 @@ class RootState(Generic[U]):
         (``no_sync``) a unit kept gathered keeps its parameters on purpose, and no step comes
         between. A flat parameter a client replaced (Accelerate's upcast) becomes the shard."""
         comm.health_of(self.process_group).raise_if_broken()
+        if self.manual_finalization.unwaited is not None:
+            raise RuntimeError("The previous gradient reduction must be waited on before forward. fsdp1: call wait() on "
+                               "the handle finalize_backward(async_op=True) returned.")  # torch's phrase
         if not self.is_clean() and not inside_backward():
             self.recover()
         if self.is_unchecked_after_abort and not inside_backward():
@@ -188,6 +212,7 @@ class RootState(Generic[U]):
             handle.grad.take_user_changes()
 
     def queue_final_callback(self) -> None:
+        self.manual_finalization.started |= self.manual_finalization.enabled
         if not self.is_final_callback_queued:
             self.is_final_callback_queued = True
             queue_backward_callback(self.finalize_backward)
@@ -232,6 +257,7 @@ class RootState(Generic[U]):
                 failures.append(_failure_of(work.wait))
         failures.extend(_failure_of(unit.reset) for unit in self.units)
         self.is_final_callback_queued = False
+        self.manual_finalization.reset()
         failure = next((f for f in failures if f is not None), None)
         if failure is not None:
             raise failure
@@ -249,6 +275,15 @@ class RootState(Generic[U]):
             "an exception on some ranks only leaves the others in collectives this rank abandoned: skip a "
             "batch on every rank or on none",
         )
+
+    def finalize_manually(self) -> None:
+        """``finalize_backward``: every unit that synchronises now reduces the gradient its backwards
+        left unreduced, at the root's end of backward."""
+        for unit in self.units:
+            if unit.sync_gradients:
+                unit.await_reduction_if_unreduced()
+        self.finalize_backward()
+        self.manual_finalization.started = False
 
     def finalize_backward(self) -> None:
         """The root's end of backward: finish reductions, reshard units whose post-backward never ran

@@ -437,6 +437,15 @@ class UnitState:
         if self.handle is not None and self.handle.take_resting_grads(reduce_now, reached):
             self.awaits_reduction = True
 
+    def await_reduction_if_unreduced(self) -> None:
+        """The end of a logical backward that the caller marks (a pipeline stage's step, a manual
+        ``finalize_backward``): the gradient this unit's backwards left unreduced, resting ones
+        included, is reduced at the root's end of backward."""
+        self.take_resting_grads(reduce_now=True)
+        if self.handle is not None and self.handle.grad.is_unreduced:
+            self.handle.grad.begin_backward()
+            self.awaits_reduction = True
+
     @property
     def _reshards_after_backward(self) -> bool:
         return self.schedule.reshards_after_backward(self.sync_gradients)

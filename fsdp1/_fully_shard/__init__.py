@@ -1,9 +1,9 @@
 """The ``fully_shard`` front (torch's FSDP2 API): ``fully_shard``, ``FSDPModule`` and its methods,
-``UnshardHandle``; what turns a mesh and FSDP2's arguments into engine parts.
+``UnshardHandle``, ``GradientReductionHandle``; what turns a mesh and FSDP2's arguments into engine parts.
 
 Its rule: it imports the engine, the state dicts and ``api``; never the FullyShardedDataParallel front."""
 
 from .fully_shard import fully_shard
-from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
+from .module import FSDPModule, GradientReductionHandle, UnshardHandle, register_fsdp_forward_method, share_comm_ctx
 
-__all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method", "share_comm_ctx"]
+__all__ = ["FSDPModule", "GradientReductionHandle", "UnshardHandle", "fully_shard", "register_fsdp_forward_method", "share_comm_ctx"]

@@ -3,7 +3,7 @@ exception types and phrases (each followed by fsdp1's fix), and torch's own poli
 field by field."""
 
 import warnings
-from typing import Any, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -121,7 +121,38 @@ def as_mixed_precision_policy(policy: Any) -> MixedPrecisionPolicy:
         return policy
     if type(policy).__name__ != "MixedPrecisionPolicy":
         raise ValueError(f"fsdp1: mp_policy must be a MixedPrecisionPolicy, got {type(policy).__name__}.")
-    return MixedPrecisionPolicy(policy.param_dtype, policy.reduce_dtype, policy.output_dtype, policy.cast_forward_inputs)
+    return MixedPrecisionPolicy(policy.param_dtype, policy.reduce_dtype, policy.output_dtype, policy.cast_forward_inputs,
+                                param_dtype_override_fn=getattr(policy, "param_dtype_override_fn", None))
+
+
+def group_param_dtype(policy: MixedPrecisionPolicy, slots: List[ParamSlot]) -> Optional[torch.dtype]:
+    """The dtype the group gathers and computes in: ``param_dtype``, or what ``param_dtype_override_fn``
+    gives each parameter, checked in torch's order with its messages. One group is one flat buffer of
+    one dtype, so its parameters must agree (torch's gathers a group in several dtypes)."""
+    override = policy.param_dtype_override_fn
+    if override is None or not slots:
+        return policy.param_dtype
+    chosen: Dict[torch.dtype, str] = {}
+    for slot in slots:
+        param = slot.live_param
+        dtype = override(param)
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise ValueError(f"param_dtype_override_fn must return a torch.dtype or None but got {type(dtype)}")  # torch's
+        if dtype is not None and dtype not in (policy.param_dtype, param.dtype):
+            raise ValueError(  # torch's phrase
+                "param_dtype_override_fn must return None, param_dtype, or the parameter's original dtype but got "
+                f"{dtype} for a parameter with dtype {param.dtype} and param_dtype {policy.param_dtype}. fsdp1: "
+                f"it returned that for '{slot.fqn}'."
+            )
+        chosen.setdefault(dtype or policy.param_dtype or param.dtype, slot.fqn)
+    if len(chosen) > 1:
+        listed = ", ".join(f"'{fqn}' in {dtype}" for dtype, fqn in chosen.items())
+        raise NotImplementedError(
+            f"fsdp1: param_dtype_override_fn gives one fully_shard group several compute dtypes ({listed}); a group "
+            "gathers into one flat buffer of one dtype. Call fully_shard on the modules whose parameters keep their "
+            "own dtype first, as groups of their own."
+        )
+    return next(iter(chosen))
 
 
 def as_offload_policy(policy: Any) -> OffloadPolicy:

@@ -12,7 +12,7 @@ unit told not to reshard), as torch's FSDP2 leaves its unsharded parameters regi
 
 import contextlib
 import weakref
-from typing import Dict, Iterator, List, Optional, Sequence, Set, Tuple, cast
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, cast
 
 import torch
 from torch import nn
@@ -58,6 +58,7 @@ class DTensorParamViews(OrigParamViews):
         # objects every time, so that autograd accumulates every forward's gradient on them.
         self._resting: Optional[Tuple[torch.Tensor, List[nn.Parameter]]] = None
         self._shows_resting = False  # the modules hold them now
+        self.grad_dtype_of_resting: Callable[[], Optional[torch.dtype]] = lambda: None  # set with the handle's precision
         self._shown_unreduced: List[Optional[torch.Tensor]] = []  # by parameter: the views of the unreduced sum on their .grad
 
     def install_initial(self, flat_param: nn.Parameter, shard: torch.Tensor, unsharded: torch.Tensor, layout: ParamLayout) -> None:
@@ -248,6 +249,10 @@ class DTensorParamViews(OrigParamViews):
         if params is None:
             views = layout.unflatten(unsharded.detach())
             params = [_param_over(view, trainable) for view, trainable in zip(views, self.requires_grad)]
+            grad_dtype = self.grad_dtype_of_resting()
+            for param in params:
+                if grad_dtype is not None and param.requires_grad:
+                    param.grad_dtype = grad_dtype
             self._resting = (unsharded, params)
         return params
 

@@ -34,6 +34,7 @@ from .._engine.unit_state import UnitState, state_of
 from .._engine.views import FLATTENED
 from .._state_dict.fully_shard_hooks import register_fully_shard_hooks
 from .._torch_internals import composable_apis_of, local_tensor, register_composable_api
+from .._torch_version import FULLY_SHARD_FOLLOWS_GRAD_DTYPE
 from ..api import (
     CPUOffloadPolicy,
     DataParallelMeshDims,
@@ -47,6 +48,7 @@ from .arguments import (
     check_one_dtype,
     checked_mesh,
     checked_modules,
+    group_param_dtype,
     placement_dim,
     reshard_after_forward_flag,
 )
@@ -134,9 +136,10 @@ def _group_handle(module: nn.Module, slots: List[ParamSlot], shardings: Dict[int
                   policy: MixedPrecisionPolicy, offload: OffloadPolicy, rows_group_size: int) -> FlatParamHandle:
     """The handle of the group's parameters: DTensor views over the chunk layout, reduced as torch's FSDP2 reduces."""
     shard_group, replicate_group = dp_mesh.groups
-    precision = HandlePrecision(slots[0].live_param.dtype, policy.param_dtype, policy.reduce_dtype,
-                                accumulates_in_reduce_dtype=True)
-    context = GatherContext(dp_mesh.shard_mesh, policy, policy.param_dtype)
+    param_dtype = group_param_dtype(policy, slots)
+    precision = HandlePrecision(slots[0].live_param.dtype, param_dtype, policy.reduce_dtype, accumulates_in_reduce_dtype=True,
+                                follows_grad_dtype=FULLY_SHARD_FOLLOWS_GRAD_DTYPE)
+    context = GatherContext(dp_mesh.shard_mesh, policy, param_dtype)
     views = DTensorParamViews(slots, module, shardings, context)
     layout = ChunkShardLayout(views.shapes, comm.group_rank(shard_group), comm.group_size(shard_group),
                             shard_dims=[sharding.shard_dim for sharding in views.shardings])
@@ -145,9 +148,11 @@ def _group_handle(module: nn.Module, slots: List[ParamSlot], shardings: Dict[int
     ranks = comm.group_size(shard_group) * (comm.group_size(replicate_group) if replicate_group else 1)
     settings = ReduceSettings(divide_factor=ranks if precision.reduce_dtype != torch.float16 else None)
     rows = _rows_after_forward(layout, dp_mesh.mesh, rows_group_size) if rows_group_size else None
-    return FlatParamHandle(views, layout, ProcessGroups(shard_group, replicate_group), precision,
-                           offload_params=isinstance(offload, CPUOffloadPolicy), reduce_settings=settings,
-                           rows_after_forward=rows)
+    handle = FlatParamHandle(views, layout, ProcessGroups(shard_group, replicate_group), precision,
+                             offload_params=isinstance(offload, CPUOffloadPolicy), reduce_settings=settings,
+                             rows_after_forward=rows)
+    views.grad_dtype_of_resting = lambda: handle.precision.unsharded_grad_dtype
+    return handle
 
 
 def _as_fsdp1_precision(policy: MixedPrecisionPolicy) -> Optional[MixedPrecision]:

@@ -14,6 +14,8 @@ from torch import nn
 
 from .._engine.common import TrainingState
 from .._engine.handle import RESTING
+from .._engine.hooks import inside_backward
+from .._engine.root_state import ManualFinalization
 from .._engine.unit_state import UnitState, gradients_unsynchronised, state_of
 from .._engine.unshard import summon_full_params
 
@@ -31,6 +33,45 @@ class UnshardHandle:
         if state is not None and state.handle is not None and state.handle.state not in RESTING:
             state.handle.wait_unshard()
             state.handle.use_resting_views()  # fully_shard's at rest while gathered: the unsharded parameters
+
+
+SPLIT_BACKWARD_REFUSAL = (
+    "fsdp1: a pipeline schedule that splits backward into an input pass and a weight pass "
+    "(ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV) computes the weight gradients on the "
+    "parameters the modules hold after the forward, and {missed} compute their forwards on views they do not hold "
+    "then (resharded after forward, or tensor-parallel DTensors, or all-gather extensions), so the step was refused "
+    "{when}. Pass reshard_after_forward=False to fully_shard for the modules of pipeline stages (torch's fully_shard "
+    "trains this case silently wrong), or use a schedule that runs whole backwards (ScheduleGPipe, Schedule1F1B, "
+    "ScheduleInterleaved1F1B, ScheduleLoopedBFS)."
+)
+
+
+def refuse_a_missed_weight_pass(root: UnitState, units: List[UnitState]) -> None:
+    """The end of a pipeline step whose weight pass missed some unit's parameters (computed on views
+    the unit no longer held): refused and undone, every unit sharded, its gradient as before the step."""
+    missed = [unit.path or "the stage module" for unit in units if unit.missed_parameters]
+    if missed:
+        root.root_state.recover()
+        raise NotImplementedError(SPLIT_BACKWARD_REFUSAL.format(missed=missed, when="and undone before any gradient was reduced"))
+
+
+class GradientReductionHandle:
+    """What ``finalize_backward(async_op=True)`` returns. fsdp1 finishes the reductions before
+    returning it (they are issued on the compute stream, so there is nothing to overlap on the CPU
+    side); ``wait()`` marks it waited, which a next finalization requires, as torch's does, and
+    raises after ``reset_iter_state`` dropped it."""
+
+    def __init__(self, finalization: Optional[ManualFinalization] = None) -> None:
+        self._finalization = finalization
+
+    def wait(self) -> None:
+        finalization, self._finalization = self._finalization, None
+        if finalization is None:
+            return
+        if finalization.unwaited is not self:
+            raise RuntimeError("This gradient reduction handle was invalidated. fsdp1: reset_iter_state dropped it, and "
+                               "its gradients with it; run the backward again and finalize it.")  # torch's phrase
+        finalization.unwaited = None
 
 
 class FSDPModule(nn.Module):
@@ -62,10 +103,18 @@ class FSDPModule(nn.Module):
         return None
 
     def reshard(self) -> None:
-        """Free the unsharded parameters; the module holds the sharded DTensors again."""
+        """Free the unsharded parameters (keep their storage after ``set_keep_unsharded_storage(True)``);
+        the module holds the sharded DTensors again."""
         handle = _state(self).handle
         if handle is not None:
             handle.reshard()
+
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """Whether resharding keeps the unsharded parameters' storage, so that their addresses stay
+        across reshard and unshard (CUDA graph capture), for the memory of one gathered copy each."""
+        for state in _states(self, recurse):
+            if state.handle is not None:
+                state.handle.set_keeps_unsharded_storage(keep)
 
     @contextlib.contextmanager
     def summon_full_params(self, writeback: bool = True, rank0_only: bool = False, offload_to_cpu: bool = False,
@@ -176,6 +225,47 @@ class FSDPModule(nn.Module):
     def set_post_optim_event(self, event: Any) -> None:
         """Accepted: CUDA-stream ordering only (fsdp1 issues every collective on the compute stream)."""
 
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """On the root, before backward: the caller ends each logical backward with
+        ``finalize_backward``, which reduces what backwards with gradient synchronisation off left
+        unreduced (with it on, each backward has reduced when autograd ended it)."""
+        state = _state(self)
+        if not state.is_outermost():
+            raise RuntimeError("set_manual_backward_finalization must be called on the root FSDP module")  # torch's
+        finalization = state.root_state.manual_finalization
+        if enabled != finalization.enabled and inside_backward():
+            raise RuntimeError("set_manual_backward_finalization cannot change mode during backward")  # torch's
+        if enabled != finalization.enabled and finalization.started:
+            raise RuntimeError("set_manual_backward_finalization cannot change mode after backward starts. fsdp1: call "
+                               "finalize_backward() first.")  # torch's phrase
+        finalization.enabled = enabled
+
+    def finalize_backward(self, *, async_op: bool = False) -> Optional[GradientReductionHandle]:
+        """After the backwards of one logical backward, on the root: reduce the gradients they left
+        unreduced, as gradient synchronisation now says, and reshard; a no-op before the first
+        forward. ``async_op`` returns a ``GradientReductionHandle`` to wait on before the next."""
+        state = _state(self)
+        if not state.has_root_state:
+            return GradientReductionHandle() if async_op else None
+        root = state.root_state
+        finalization = root.manual_finalization
+        if finalization.unwaited is not None:
+            raise RuntimeError("The previous gradient reduction must be waited on before finalizing backward again")  # torch's
+        if not state.is_outermost():
+            raise RuntimeError("finalize_backward must be called on the root FSDP module")  # torch's
+        if not (finalization.enabled or finalization.started):
+            raise RuntimeError("FSDP finalize_backward requires manual backward finalization. Call "
+                               "set_manual_backward_finalization(True) before forward")  # torch's
+        if inside_backward() or root.is_final_callback_queued:
+            raise RuntimeError("FSDP finalize_backward must be called after backward completes")  # torch's
+        refuse_a_missed_weight_pass(state, root.units)  # torch 2.15's pipeline stages finalize here
+        root.finalize_manually()
+        if not async_op:
+            return None
+        handle = GradientReductionHandle(finalization)
+        finalization.unwaited = handle
+        return handle
+
     def reset_iter_state(self) -> None:
         """After an exception in forward or backward: finish the collectives in flight, drop the
         iteration's gradients and reshard (fsdp1 also does this by itself at the next forward)."""
@@ -184,6 +274,7 @@ class FSDPModule(nn.Module):
             raise RuntimeError("reset_iter_state must be called on the root FSDP module")  # torch's
         if not state.root_state.is_clean():
             state.root_state.recover()
+        state.root_state.manual_finalization.reset()
 
     # ----------------------------------------------------------------------------- the unit's collectives
     def set_custom_all_gather(self, comm: Any) -> None:

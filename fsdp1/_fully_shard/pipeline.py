@@ -4,11 +4,13 @@ through the stand-ins of ``fsdp1._torch_recognition``).
 
 Across a step's micro-batches a schedule tells the stage module not to synchronise gradients and not
 to reshard after backward (``FSDPModule``'s own setters): every unit stays gathered and adds each
-micro-batch's gradient to its unreduced sum. At the end of the step it turns both back on and asks
-``fully_shard.state(stage_module)`` to reduce: torch's stage calls ``post_backward()`` on every
-parameter group it finds through ``_state_ctx.all_states[i]._fsdp_param_groups``, then
-``_root_post_backward_final_callback()``. Those are torch's names; ``StageReduction`` answers to
-them, with the stage module's units as its one group.
+micro-batch's gradient to its unreduced sum. At the end of the step it turns both back on and
+reduces. Before torch 2.15 it asks ``fully_shard.state(stage_module)``: torch's stage calls
+``post_backward()`` on every parameter group it finds through
+``_state_ctx.all_states[i]._fsdp_param_groups``, then ``_root_post_backward_final_callback()``. Those
+are torch's names; ``StageReduction`` answers to them, with the stage module's units as its one
+group. From 2.15 on the stage calls the module's public ``finalize_backward(async_op=True)`` under
+``set_manual_backward_finalization(True)``, which does the same (``FSDPModule``).
 
 A schedule that splits backward runs a weight pass after later forwards, on the parameters the
 modules hold: a unit resting gathered computes on resting Parameters that stay registered (see
@@ -26,17 +28,8 @@ from torch import nn
 from .._engine import collectives as comm
 from .._engine.traversal import fsdp_units
 from .._engine.unit_state import state_of, unit_states
-from .module import FSDPModule
+from .module import SPLIT_BACKWARD_REFUSAL, FSDPModule, refuse_a_missed_weight_pass
 
-SPLIT_BACKWARD_REFUSAL = (
-    "fsdp1: a pipeline schedule that splits backward into an input pass and a weight pass "
-    "(ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV) computes the weight gradients on the "
-    "parameters the modules hold after the forward, and {missed} compute their forwards on views they do not hold "
-    "then (resharded after forward, or tensor-parallel DTensors, or all-gather extensions), so the step was refused "
-    "{when}. Pass reshard_after_forward=False to fully_shard for the modules of pipeline stages (torch's fully_shard "
-    "trains this case silently wrong), or use a schedule that runs whole backwards (ScheduleGPipe, Schedule1F1B, "
-    "ScheduleInterleaved1F1B, ScheduleLoopedBFS)."
-)
 UNSHARDED_STAGE_REFUSAL = (
     "fsdp1: {stages} hold fsdp1 modules but are not fully_shard modules themselves, so a pipeline schedule that "
     "splits backward into an input pass and a weight pass runs them as plain modules and its weight pass finds none "
@@ -79,16 +72,9 @@ class StageReduction:
         sharded, its gradient as before the step. The refusal before the first action
         (``refuse_split_backward_that_misses``) foresees the cases known from the configuration; this
         one catches the rest."""
-        missed = [unit.path or "the stage module" for unit in self._units if unit.missed_parameters]
-        if missed:
-            self._root.root_state.recover()  # every unit sharded, its gradient as before the step
-            raise NotImplementedError(SPLIT_BACKWARD_REFUSAL.format(
-                missed=missed, when="and undone before any gradient was reduced"))
+        refuse_a_missed_weight_pass(self._root, self._units)
         for unit in self._units:
-            unit.take_resting_grads(reduce_now=True)  # what the micro-batches left on the resting Parameters
-            if unit.handle is not None and unit.handle.grad.is_unreduced:
-                unit.handle.grad.begin_backward()
-                unit.awaits_reduction = True
+            unit.await_reduction_if_unreduced()
 
     def _root_post_backward_final_callback(self) -> None:
         """Reduce, reshard as the schedule now asks, and hand every unit's gradient to the optimizer."""
