@@ -23,7 +23,7 @@ ALLOWED = {
     ENGINE: {"api"},
     STATE_DICTS: {ENGINE, "api"},
     WRAPPER_FRONT: {ENGINE, STATE_DICTS, "api", "wrap", "comm_hooks"},
-    FULLY_SHARD_FRONT: {ENGINE, STATE_DICTS, "api"},
+    FULLY_SHARD_FRONT: {ENGINE, STATE_DICTS, "api", "_torch_version"},  # what the running release's fully_shard does
     "_children": set(),  # the launcher's start-up hook for the processes a script starts: imports fsdp1 whole, as a user would
     "api": set(),
     "wrap": set(),
