@@ -179,10 +179,20 @@ def test_an_uncaught_exception_on_one_rank_ends_the_job_naming_it_as_the_root_ca
     """H1: rank 1 raises in b at step 2 under torchrun with ``@record``: the job fails, torchrun's
     summary names rank 1 and the exception, and rank 0 gets ProcessGroupBroken instead of waiting.
     The agent looks at its workers every 3 s here (0.1 s by default, when it may stop rank 0 before a
-    loaded machine let it report what it saw)."""
+    loaded machine let it report what it saw). torchrun names as root cause the failure with the
+    earliest timestamp in whole seconds, a tie going to the lower rank; rank 0's error comes within
+    milliseconds of rank 1's exit, so rank 0 holds its error 1.1 s before raising it."""
     job = run_job(tmp_path, RAISES_ON_RANK_1 + '''
+import time
 from torch.distributed.elastic.multiprocessing.errors import record
-record(main)()
+def main_with_rank_0_failing_a_second_later():
+    try:
+        main()
+    except Exception:
+        if rank == 0:
+            time.sleep(1.1)
+        raise
+record(main_with_rank_0_failing_a_second_later)()
 ''', torchrun_args=("--monitor-interval", "3"))
     assert not failed(job), failed(job)
     assert job.returncodes[0] != 0
