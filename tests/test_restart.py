@@ -111,6 +111,7 @@ def test_a_crash_on_every_attempt_fails_the_job_naming_the_rank_and_the_error(tm
     summary (with ``@record``) names rank 1 and the exception of the last attempt."""
     job, root = _training(tmp_path, "always")
     assert job.returncodes[0] != 0
+    assert "Root Cause" in job.output, job.output[-3000:]
     summary = job.output.split("Root Cause")[1]
     assert "rank      : 1 (local_rank: 1)" in summary
     assert "RuntimeError: deliberate crash on attempt 1" in job.output
