@@ -38,6 +38,20 @@ def report(**fields):
 def described(error):
     return {{"type": type(error).__name__, "message": str(error), "elapsed": time.monotonic() - T0,
             "exception": isinstance(error, Exception), "trace": traceback.format_exc()[-2500:]}}
+def recorded_with_rank_0_failing_later(main):
+    """``main`` under torchrun's ``@record``, rank 0 holding its error 1.1 s. torchrun names as root
+    cause the failure with the earliest timestamp in whole seconds, a tie going to the lower rank;
+    rank 0's error comes within milliseconds of the failing rank's exit, so without the hold a
+    same-second tie would name rank 0."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+    def holding():
+        try:
+            return main()
+        except Exception:
+            if rank == 0:
+                time.sleep(1.1)
+            raise
+    return record(holding)
 '''
 
 

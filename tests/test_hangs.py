@@ -183,16 +183,7 @@ def test_an_uncaught_exception_on_one_rank_ends_the_job_naming_it_as_the_root_ca
     earliest timestamp in whole seconds, a tie going to the lower rank; rank 0's error comes within
     milliseconds of rank 1's exit, so rank 0 holds its error 1.1 s before raising it."""
     job = run_job(tmp_path, RAISES_ON_RANK_1 + '''
-import time
-from torch.distributed.elastic.multiprocessing.errors import record
-def main_with_rank_0_failing_a_second_later():
-    try:
-        main()
-    except Exception:
-        if rank == 0:
-            time.sleep(1.1)
-        raise
-record(main_with_rank_0_failing_a_second_later)()
+recorded_with_rank_0_failing_later(main)()
 ''', torchrun_args=("--monitor-interval", "3"))
     assert not failed(job), failed(job)
     assert job.returncodes[0] != 0
