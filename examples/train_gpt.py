@@ -22,11 +22,12 @@ one into a single file that loads into the plain model.
 """
 
 import argparse
+import json
 import math
 import os
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Optional, Tuple
+from typing import Callable, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -174,8 +175,20 @@ def load_checkpoint(model: nn.Module, optim: torch.optim.Optimizer, path: Path) 
         optim.load_state_dict(FSDP.optim_state_dict_to_load(model, optim, state["optim"]))
 
 
+COMM_QUANTIZATION = {
+    "none": None,
+    "int8": fsdp1.BlockQuantization(weights=torch.int8, gradients=torch.int8),
+    "int8-weights": fsdp1.BlockQuantization(weights=torch.int8, gradients=None),
+    "int8-gradients": fsdp1.BlockQuantization(weights=None, gradients=torch.int8),
+    "fp8": fsdp1.BlockQuantization(weights=torch.float8_e4m3fn, gradients=torch.float8_e4m3fn),
+}
+"""``--comm-quantization``: what the gathers and gradient reductions send block-quantized (fsdp1's
+own ``comm_quantization``, not torch's; docs/quantized-comm.md)."""
+
+
 def add_training_arguments(parser: argparse.ArgumentParser, steps: int) -> None:
-    """The corpus, the model's size and the optimizer's, which every GPT example takes."""
+    """The corpus, the model's size and the optimizer's, what the collectives send and where the
+    losses go, which every GPT example takes."""
     parser.add_argument("--text", type=Path, default=DEFAULT_TEXT)
     parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank and step")
@@ -184,6 +197,9 @@ def add_training_arguments(parser: argparse.ArgumentParser, steps: int) -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--comm-quantization", choices=list(COMM_QUANTIZATION), default="none",
+                        help="send gathers and gradient reductions block-quantized (fsdp1's own)")
+    parser.add_argument("--losses", type=Path, help="write this run's per-step mean losses (JSON)")
 
 
 def main() -> None:
@@ -210,6 +226,7 @@ def main() -> None:
         sharding_strategy=fsdp1.ShardingStrategy[args.strategy],
         auto_wrap_policy=ModuleWrapPolicy({Block}),
         use_orig_params=args.use_orig_params,
+        comm_quantization=COMM_QUANTIZATION[args.comm_quantization],
     )
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
     first_step = resume(args.checkpoint_dir, lambda path: load_checkpoint(model, optim, path), rank) if args.resume else 1
@@ -221,12 +238,14 @@ def main() -> None:
         dist.destroy_process_group()
         return
     bar = progress(first_step, args.steps, enabled=rank == 0)
+    losses: List[torch.Tensor] = []  # this rank's, averaged over the ranks once, at the end
     start = time.perf_counter()
     for step in bar:
         inputs, targets = batch(data, args.block_size, args.batch_size, rank, step)
         loss = F.cross_entropy(model(inputs).reshape(-1, vocab), targets.reshape(-1))
         loss.backward()
         optim.step()
+        losses.append(loss.detach())
         if step == args.steps:
             held = state_bytes(model, optim)  # with this step's gradients still in place
         optim.zero_grad(set_to_none=True)
@@ -240,8 +259,18 @@ def main() -> None:
                 print(f"step {step:4d} | loss {mean_loss:.4f} | {time.perf_counter() - start:.1f} s", flush=True)
     seconds = time.perf_counter() - start
     final_loss = mean_over_ranks(loss)
+    if args.losses is not None:
+        write_losses(args.losses, first_step, torch.stack(losses), rank)
     report(rank, world_size, args, args.steps - first_step + 1, vocab, num_params, held, seconds, final_loss)
     dist.destroy_process_group()
+
+
+def write_losses(path: Path, first_step: int, losses: torch.Tensor, rank: int) -> None:
+    """Rank 0 writes every step's loss, averaged over the ranks, as ``train_gpt_fully_shard.py`` does."""
+    dist.all_reduce(losses)
+    if rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"first_step": first_step, "losses": (losses / dist.get_world_size()).tolist()}))
 
 
 def report(rank, world_size, args, steps, vocab, num_params, held, seconds, final_loss) -> None:

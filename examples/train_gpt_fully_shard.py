@@ -22,7 +22,7 @@ import argparse
 import json
 import time
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,7 @@ import fsdp1
 from fsdp1 import checkpoint
 
 from examples.train_gpt import (
+    COMM_QUANTIZATION,
     GPT,
     add_training_arguments,
     batch,
@@ -45,12 +46,12 @@ from examples.train_gpt import (
 )
 
 
-def shard(model: GPT, bf16: bool) -> GPT:
+def shard(model: GPT, bf16: bool, quantization: Optional[fsdp1.BlockQuantization]) -> GPT:
     """Blocks first, then the root (which holds the embeddings and the head)."""
     policy = fsdp1.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else fsdp1.MixedPrecisionPolicy()
     for block in model.blocks:
-        fsdp1.fully_shard(block, mp_policy=policy)
-    return fsdp1.fully_shard(model, mp_policy=policy)
+        fsdp1.fully_shard(block, mp_policy=policy, comm_quantization=quantization)
+    return fsdp1.fully_shard(model, mp_policy=policy, comm_quantization=quantization)
 
 
 def save_checkpoint(model: nn.Module, optim: torch.optim.Optimizer, directory: Path, step: int) -> None:
@@ -74,7 +75,6 @@ def main() -> None:
     parser.add_argument("--checkpoint-dir", type=Path, default=Path("out/fully_shard_checkpoints"))
     parser.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints; 0: none")
     parser.add_argument("--resume-from", type=Path, help="a checkpoint directory (this script's or train_gpt.py's)")
-    parser.add_argument("--losses", type=Path, help="write this run's per-step mean losses (JSON)")
     parser.add_argument("--expect", type=Path, help="a --losses file of an uninterrupted run: fail unless this "
                         "run's losses equal its losses of the same steps, bit for bit")
     args = parser.parse_args()
@@ -84,7 +84,8 @@ def main() -> None:
     rank = dist.get_rank()
     data, vocab = load_corpus(args.text)
     torch.manual_seed(0)
-    model = shard(GPT(vocab, args.block_size, args.d_model, args.layers, args.heads), args.bf16)
+    model = shard(GPT(vocab, args.block_size, args.d_model, args.layers, args.heads), args.bf16,
+                  COMM_QUANTIZATION[args.comm_quantization])
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
     first_step = 1
     if args.resume_from is not None:

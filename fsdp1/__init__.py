@@ -20,6 +20,7 @@ from ._torch_recognition import recognise_fsdp1_in_torch
 from ._torch_version import warn_if_untested
 from .api import (
     BackwardPrefetch,
+    BlockQuantization,  # noqa: F401 - fsdp1's own, so not in torch's __all__
     CPUOffload,
     CPUOffloadPolicy,
     DataParallelMeshDims,

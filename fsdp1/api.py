@@ -134,6 +134,50 @@ class DataParallelMeshDims:
         return _names(self.replicate)
 
 
+QUANTIZED_DTYPES = (torch.int8, torch.float8_e4m3fn)
+"""The dtypes ``BlockQuantization`` sends values as: symmetric int8, and float8 e4m3."""
+
+MAX_BLOCK_SIZE = 1 << 16
+
+
+@dataclass(frozen=True)
+class BlockQuantization:
+    """fsdp1's own, not torch's: the ``comm_quantization`` argument of ``FullyShardedDataParallel``
+    and ``fully_shard``, which makes a unit's collectives send fewer bytes.
+
+    ``weights``: the all-gathers forward and backward compute on send each rank's shard as codes of
+    this dtype with one float32 scale per ``block_size`` values (the block's largest magnitude over
+    the dtype's), dequantized into the compute dtype on arrival. ``gradients``: the reduction sends
+    each rank's unreduced pieces of the other ranks' shards so, through an all-to-all, and every rank
+    sums what it receives in float32 with its own piece, unquantized. ``None`` leaves that direction
+    as it is. What a unit keeps never changes: its shard (the master weights), the optimizer's
+    arithmetic on the reduced gradient, ``summon_full_params`` and every state dict hold the
+    full-precision values.
+    """
+
+    weights: Optional[torch.dtype] = torch.int8
+    gradients: Optional[torch.dtype] = torch.int8
+    block_size: int = 256
+
+    def __post_init__(self) -> None:
+        for name, dtype in (("weights", self.weights), ("gradients", self.gradients)):
+            if dtype is not None and dtype not in QUANTIZED_DTYPES:
+                raise ValueError(f"BlockQuantization({name}={dtype!r}): expected one of {list(QUANTIZED_DTYPES)}, or None "
+                                 "to send that direction unquantized")
+        if (isinstance(self.block_size, bool) or not isinstance(self.block_size, int)
+                or not 1 <= self.block_size <= MAX_BLOCK_SIZE):
+            raise ValueError(f"BlockQuantization(block_size={self.block_size!r}): expected an int from 1 to {MAX_BLOCK_SIZE:,}, "
+                             "the values that share one scale (256 by default; a larger block saves no bytes, as a "
+                             "scale is 4 bytes, and pads each shard's last block)")
+
+
+def check_comm_quantization(value: object, where: str) -> None:
+    """``comm_quantization`` is a ``BlockQuantization`` or None."""
+    if value is not None and not isinstance(value, BlockQuantization):
+        raise TypeError(f"fsdp1: {where}(comm_quantization=...) expects fsdp1.BlockQuantization(weights=..., "
+                        f"gradients=..., block_size=...) or None, got {type(value).__name__}")
+
+
 def _names(dims: Optional[Union[str, Tuple[str, ...]]]) -> Tuple[str, ...]:
     if dims is None:
         return ()

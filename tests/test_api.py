@@ -55,13 +55,15 @@ def _normalised_default(value):
 
 
 def test_constructor_keeps_torch_names_order_and_defaults():
-    """torch's parameters, in torch's order with torch's defaults; the only extra one is private and
-    keyword-only (the parameters auto-wrapping tells a nested unit to leave to an outer one)."""
+    """torch's parameters, in torch's order with torch's defaults; the extra ones keyword-only: fsdp1's
+    own ``comm_quantization``, and a private one (the parameters auto-wrapping tells a nested unit to
+    leave to an outer one)."""
     ours = inspect.signature(fsdp1.FullyShardedDataParallel.__init__).parameters
     theirs = inspect.signature(torch_fsdp.FullyShardedDataParallel.__init__).parameters
     assert list(ours)[: len(theirs)] == list(theirs)
     extra = [ours[name] for name in list(ours)[len(theirs):]]
-    assert [(p.name, p.kind) for p in extra] == [("_params_of_outer_units", inspect.Parameter.KEYWORD_ONLY)]
+    assert [(p.name, p.kind, p.default) for p in extra] == [("comm_quantization", inspect.Parameter.KEYWORD_ONLY, None),
+                                                           ("_params_of_outer_units", inspect.Parameter.KEYWORD_ONLY, None)]
     for name in theirs:
         assert _normalised_default(ours[name].default) == _normalised_default(theirs[name].default), name
 
@@ -129,6 +131,8 @@ def test_the_names_signatures_and_methods_are_torchs():
     newer_methods = {"set_manual_backward_finalization", "finalize_backward", "set_keep_unsharded_storage"}
     has_newer = release(torch.__version__) >= (2, 15)
     ours = parameters(fsdp1.fully_shard)
+    assert ours[-1] == ("comm_quantization", inspect.Parameter.KEYWORD_ONLY, "None")  # fsdp1's own, last
+    ours = ours[:-1]
     if not has_newer:  # the default policy's repr shows the newer field
         ours = [(name, kind, default.replace(", param_dtype_override_fn=None", "")) for name, kind, default in ours]
     assert ours == parameters(torch_fsdp.fully_shard)

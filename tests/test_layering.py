@@ -34,7 +34,7 @@ ALLOWED = {
     "sharded_grad_scaler": {ENGINE},
     "checkpoint": {ENGINE},
     "run": {"_children", "_torch_alias"},
-    "_planner": {WRAPPER_FRONT, FULLY_SHARD_FRONT, "api", "wrap"},  # applies what it plans, with either front
+    "_planner": {ENGINE, WRAPPER_FRONT, FULLY_SHARD_FRONT, "api", "wrap"},  # applies what it plans, with either front; its probe times the engine's codec
     "plan": {"_planner"},
     "_torch_alias": {FULLY_SHARD_FRONT, "api", "fully_sharded_data_parallel", "sharded_grad_scaler"},
     "_torch_recognition": {ENGINE, FULLY_SHARD_FRONT, "_torch_alias", "fully_sharded_data_parallel"},

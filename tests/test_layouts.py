@@ -4,15 +4,21 @@ of odd sizes, a zero-size dimension and a single row. Full values go into the sh
 through the gather; the gather fills each parameter's full value; the reduction's input, reduce-
 scattered, leaves each rank its part of the summed gradient; and each parameter's dim-0 rows of
 this rank (DTensor's ``Shard(0)``, or ``Shard(dim)`` where ``fully_shard`` splits another dim) come
-out of the shard and go back into it."""
+out of the shard and go back into it. The same layouts go through every way the unit's transport
+moves values: a user's all-gather (bitwise the default's), a block-quantized gather (each rank's
+shard exactly as the codec gives it back) and a block-quantized reduction (each rank's own piece
+plus the others' pieces as the codec gives them back)."""
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from fsdp1._engine import collectives as comm
+from fsdp1._engine.quantization import BlockCodec
+from fsdp1._engine.transport import Transport
 from fsdp1._fully_shard.chunk_shard_layout import ChunkShardLayout
 from fsdp1._wrapper.flat_shard_layout import FlatShardLayout
+from fsdp1.api import BlockQuantization
 
 from _harness import run_on_ranks
 
@@ -39,8 +45,94 @@ def _unsharded_of(layout, values):
     if not layout.is_sharded:
         return shard
     unsharded = layout.new_unsharded(torch.float32, torch.device("cpu"))
-    layout.all_gather(unsharded, shard, dist.group.WORLD, "").wait()
+    Transport(layout, dist.group.WORLD).all_gather(unsharded, shard, "").wait()
     return unsharded
+
+
+class _UserAllGather:
+    """A user's all-gather (``set_custom_all_gather``'s contract) that allocates its own output."""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.full(size, float("nan"), dtype=dtype, device=device) if dtype.is_floating_point else torch.empty(size, dtype=dtype)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+QUANTIZED = BlockQuantization(weights=torch.int8, gradients=torch.int8, block_size=4)
+CODEC = BlockCodec(torch.int8, 4)
+
+
+def _round_trip(values):
+    """``values`` (1-D) as the codec gives them back."""
+    encoded = torch.empty(CODEC.encoded_nbytes(values.numel()), dtype=torch.uint8)
+    CODEC.encode_into(values, encoded)
+    decoded = torch.empty_like(values)
+    CODEC.decode_into(encoded, decoded)
+    return decoded
+
+
+def _through_a_user_all_gather(kind):
+    layout = LAYOUTS[kind](dist.get_rank(), dist.get_world_size())
+    values = _values(4)
+    shard = torch.zeros(layout.shard_numel)
+    layout.shard_of_values(values, shard)
+    transport = Transport(layout, dist.group.WORLD)
+    transport.set_custom("", all_gather=_UserAllGather())
+    unsharded = layout.new_unsharded(torch.float32, torch.device("cpu"))
+    if layout.is_sharded:
+        transport.all_gather(unsharded, shard, "").wait()
+    else:  # nothing travels
+        unsharded = shard
+    return [torch.equal(got, want) for got, want in zip(layout.unflatten(unsharded), layout.unflatten(_unsharded_of(layout, values)))]
+
+
+def _quantized_gather_decodes_every_shard(kind):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    layouts = [LAYOUTS[kind](r, world) for r in range(world)]
+    values = _values(5)
+    shards = []
+    for each in layouts:
+        shards.append(torch.zeros(each.shard_numel))
+        each.shard_of_values(values, shards[-1])
+    layout = layouts[rank]
+    unsharded = layout.new_unsharded(torch.float32, torch.device("cpu"))
+    if layout.is_sharded:
+        Transport(layout, dist.group.WORLD, quantization=QUANTIZED).all_gather(unsharded, shards[rank], "", quantized=True).wait()
+        expected = layout.new_unsharded(torch.float32, torch.device("cpu"))
+        layout.copy_out(expected, iter([(r, _round_trip(shard)) for r, shard in enumerate(shards)]))
+    else:  # nothing travels
+        unsharded, expected = shards[rank], shards[rank]
+    return [torch.equal(got, want) for got, want in zip(layout.unflatten(unsharded), layout.unflatten(expected))]
+
+
+def _quantized_reduction_sums_the_decoded_pieces(kind):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    layout = LAYOUTS[kind](rank, world)
+    grads = [layout.reduce_input(layout.flatten(_values(20 + r))) for r in range(world)]  # every rank's, known everywhere
+    transport = Transport(layout, dist.group.WORLD, quantization=QUANTIZED)
+    if layout.is_sharded:
+        work, _, reduced, _ = transport.reduce_scatter(grads[rank].clone(), "")
+        work.wait()
+        pieces = [grad.view(world, -1)[rank] for grad in grads]
+        expected = pieces[rank].clone()
+        for r in range(world):
+            if r != rank:
+                expected += _round_trip(pieces[r])
+    else:  # an all-reduce: a quantized reduce-scatter of equal chunks, then the sums' quantized all-gather
+        reduced = grads[rank].clone()
+        transport.all_reduce(reduced, "").wait()
+        chunk = -(-reduced.numel() // world)
+        padded = [torch.nn.functional.pad(grad, (0, world * chunk - grad.numel())).view(world, chunk) for grad in grads]
+        sums = []
+        for owner in range(world):
+            total = padded[owner][owner].clone()
+            for r in range(world):
+                if r != owner:
+                    total += _round_trip(padded[r][owner])
+            sums.append(_round_trip(total))
+        expected = torch.cat(sums)[: reduced.numel()]
+    return [torch.equal(got, want) for got, want in zip(layout.local_views(reduced), layout.local_views(expected))]
 
 
 def _full_values_round_trip(kind):
@@ -112,6 +204,9 @@ PROPERTIES = {
     "the reduction's input leaves each rank its part of the summed gradient": _reduction_leaves_each_rank_its_part_of_the_sum,
     "each parameter's slices come out of the shard as DTensor's Shard(dim) holds them": _rows_come_out,
     "rows loaded into an empty shard give the shard back": _rows_go_back,
+    "a user's all-gather fills what the default one fills": _through_a_user_all_gather,
+    "a quantized gather fills each rank's shard as the codec gives it back": _quantized_gather_decodes_every_shard,
+    "a quantized reduction sums each rank's own piece and the others' decoded ones": _quantized_reduction_sums_the_decoded_pieces,
 }
 
 

@@ -88,9 +88,9 @@ def _measured(plan, build, tokens, loss):
         return plan.measure_peak(build, tokens, loss)
 
 
-def _plan(build, tokens, loss, world_size, api, budget, **options):
+def _plan(build, tokens, loss, world_size, api, budget, calibration=CALIBRATION, **options):
     return fsdp1.plan(build, tokens, loss, world_size=world_size, device_memory=budget, api=api, device_type="cpu",
-                      headroom=0.0, calibration=CALIBRATION, **options)
+                      headroom=0.0, calibration=calibration, **options)
 
 
 def _assert_predicted(plan, measured):
@@ -184,7 +184,8 @@ def test_printed_code_shards_as_apply_does(api):
     build, loss, length = MODELS["gpt"]
     tokens = _tokens(length)
     plan = dataclasses.replace(_plan(build, tokens, loss, 2, api, "1GiB"), settings=Settings(
-        api, fsdp1.ShardingStrategy.SHARD_GRAD_OP, checkpointed=2, kept_gathered=1, param_dtype=torch.bfloat16))
+        api, fsdp1.ShardingStrategy.SHARD_GRAD_OP, checkpointed=2, kept_gathered=1, param_dtype=torch.bfloat16,
+        quantized=True))
     with fake_process_group(2):
         torch.manual_seed(0)
         applied = plan.apply(build())
@@ -194,6 +195,26 @@ def test_printed_code_shards_as_apply_does(api):
         printed = namespace["model"]
         assert str(printed) == str(applied)
         assert _loss_after_a_step(printed, tokens) == _loss_after_a_step(applied, tokens)
+
+
+@pytest.mark.parametrize("api", [FSDP1, FULLY_SHARD])
+def test_where_communication_dominates_the_plan_sends_int8_counting_the_bytes_the_codec_sent(api):
+    """A slow network (5 MB/s a rank): the fastest candidate again with int8 communication, a quarter
+    of its bytes in the dry run, is the plan, and its peak (the codec's buffers included) is a real
+    run's. A fast one (5 TB/s): communication hides behind compute, and the codec is not tried."""
+    build, loss, length = MODELS["gpt"]
+    tokens = _tokens(length)
+    slow = dataclasses.replace(CALIBRATION, collective_bytes=5e6, codec_s_per_value=1e-9)
+    plan = _plan(build, tokens, loss, 2, api, "1GiB", calibration=slow)
+    assert plan.settings.quantized and "int8 comm" in plan.settings.describe(plan.num_blocks)
+    assert "comm_quantization=fsdp1.BlockQuantization()" in plan.code()
+    plain = next(c for c in plan.candidates if c.settings == plan.settings.replace(quantized=False))
+    quantized = next(c for c in plan.candidates if c.settings == plan.settings)
+    assert sum(quantized.footprint.comm.values()) <= 0.30 * sum(plain.footprint.comm.values())
+    assert quantized.cost.codec > 0 and quantized.cost.total < plain.cost.total
+    _assert_predicted(plan, _measured(plan, build, tokens, loss))
+    fast = dataclasses.replace(CALIBRATION, collective_bytes=5e12, codec_s_per_value=1e-9)
+    assert not any(c.settings.quantized for c in _plan(build, tokens, loss, 2, api, "1GiB", calibration=fast).candidates)
 
 
 def _loss_after_a_step(model, tokens):

@@ -170,7 +170,7 @@ def minimum_comm_bytes(name: str, num_params: int, root_params: int, world_size:
     """Fewest bytes a rank must send (= receive) per step for the variant's strategy (fp32; the
     ``bf16`` variants gather 2 bytes a parameter and reduce in fp32)."""
     f = (world_size - 1) / world_size
-    if name.startswith("local") or name.endswith(("_tp", "_pp", "_float8")):  # TP moves activations; PP halves the model; float8 gathers 1 byte a weight: no bound here
+    if name.startswith("local") or name.endswith(("_tp", "_pp", "_float8", "_q8")):  # TP moves activations; PP halves the model; float8 and q8 send 1 byte a value: no bound here
         return 0
     gathered = 2 if "bf16" in name else 4
     if "full" in name or name.endswith("fsdp2"):  # all-gather forward and backward (not the root's), reduce-scatter

@@ -4,7 +4,7 @@ loss, and every wrapper variant, each wrapped with one unit per block plus the r
 import contextlib
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, ContextManager, Dict
+from typing import Callable, ContextManager, Dict, Optional
 
 import torch
 from torch import nn
@@ -73,6 +73,10 @@ BF16 = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 """The mixed precision of the ``*_bf16`` variants: bf16 gathers and compute, fp32 reduction
 (the GPU configuration)."""
 
+INT8 = fsdp1.BlockQuantization(weights=torch.int8, gradients=torch.int8)
+"""fsdp1's block-quantized communication of the ``*_q8`` variants: int8 weight gathers and gradient
+reductions, one float32 scale per 256 values."""
+
 
 def _fsdp1(strategy: str, use_orig_params: bool, model: nn.Module, device: torch.device, **options) -> nn.Module:
     """fsdp1 with one unit per block; ``options``: mixed_precision / cpu_offload as keyword dicts,
@@ -82,7 +86,8 @@ def _fsdp1(strategy: str, use_orig_params: bool, model: nn.Module, device: torch
         model, sharding_strategy=fsdp1.ShardingStrategy[strategy], auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({Block}),
         use_orig_params=use_orig_params, device_id=device,
         mixed_precision=fsdp1.MixedPrecision(**options["mixed_precision"]) if "mixed_precision" in options else None,
-        cpu_offload=fsdp1.CPUOffload(**options["cpu_offload"]) if "cpu_offload" in options else None)
+        cpu_offload=fsdp1.CPUOffload(**options["cpu_offload"]) if "cpu_offload" in options else None,
+        comm_quantization=options.get("comm_quantization"))
     if hook:
         wrapped.register_comm_hook(fsdp1.comm_hooks.DefaultState(torch.distributed.group.WORLD),
                                    fsdp1.comm_hooks.reduce_scatter_hook)
@@ -115,10 +120,10 @@ def _hybrid_mesh(device: torch.device):
     return init_device_mesh(device.type, shape)
 
 
-def _fsdp1_hybrid(model: nn.Module, device: torch.device) -> nn.Module:
+def _fsdp1_hybrid(model: nn.Module, device: torch.device, comm_quantization: Optional[fsdp1.BlockQuantization] = None) -> nn.Module:
     return fsdp1.FullyShardedDataParallel(
         model, sharding_strategy=fsdp1.ShardingStrategy.HYBRID_SHARD, device_mesh=_hybrid_mesh(device),
-        auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({Block}), device_id=device)
+        auto_wrap_policy=fsdp1.wrap.ModuleWrapPolicy({Block}), device_id=device, comm_quantization=comm_quantization)
 
 
 def _torch_fsdp1_hybrid(model: nn.Module, device: torch.device) -> nn.Module:
@@ -147,11 +152,11 @@ def _torch_fsdp2(model: nn.Module, device: torch.device) -> nn.Module:
     return fully_shard(model)
 
 
-def _fsdp1_fully_shard(model: nn.Module, device: torch.device) -> nn.Module:
+def _fsdp1_fully_shard(model: nn.Module, device: torch.device, **options) -> nn.Module:
     model.to(device)
     for block in model.blocks:
-        fsdp1.fully_shard(block)
-    return fsdp1.fully_shard(model)
+        fsdp1.fully_shard(block, **options)
+    return fsdp1.fully_shard(model, **options)
 
 
 def _tensor_parallel(shard: Callable[..., nn.Module], model: nn.Module, device: torch.device) -> nn.Module:
@@ -301,8 +306,12 @@ VARIANTS: Dict[str, Wrapper] = {
     "fsdp1_full_offload": partial(_fsdp1, "FULL_SHARD", False, cpu_offload=dict(offload_params=True)),
     "torch_fsdp1_full_hook": partial(_torch_fsdp1, "FULL_SHARD", False, comm_hook=True),
     "fsdp1_full_hook": partial(_fsdp1, "FULL_SHARD", False, comm_hook=True),
+    "fsdp1_full_q8": partial(_fsdp1, "FULL_SHARD", False, comm_quantization=INT8),
+    "fsdp1_full_bf16_q8": partial(_fsdp1, "FULL_SHARD", False, mixed_precision=BF16, comm_quantization=INT8),
+    "fsdp1_hybrid_q8": partial(_fsdp1_hybrid, comm_quantization=INT8),
     "torch_fsdp2": _torch_fsdp2,
     "fsdp1_fsdp2": _fsdp1_fully_shard,
+    "fsdp1_fsdp2_q8": partial(_fsdp1_fully_shard, comm_quantization=INT8),
     "torch_fsdp2_tp": partial(_tensor_parallel, _torch_fully_shard),
     "fsdp1_fsdp2_tp": partial(_tensor_parallel, fsdp1.fully_shard),
     "torch_fsdp2_float8": partial(_float8, _torch_fsdp2),
@@ -318,6 +327,8 @@ ANCHOR = {"fsdp1_full": "torch_fsdp1_full", "fsdp1_full_orig": "torch_fsdp1_full
           "fsdp1_hybrid": "torch_fsdp1_hybrid", "fsdp1_frozen_orig": "torch_fsdp1_frozen_orig",
           "fsdp1_full_clip": "torch_fsdp1_full_clip", "fsdp1_full_bf16": "torch_fsdp1_full_bf16",
           "fsdp1_full_offload": "torch_fsdp1_full_offload", "fsdp1_full_hook": "torch_fsdp1_full_hook",
+          "fsdp1_full_q8": "torch_fsdp1_full", "fsdp1_full_bf16_q8": "torch_fsdp1_full_bf16",
+          "fsdp1_hybrid_q8": "torch_fsdp1_hybrid", "fsdp1_fsdp2_q8": "torch_fsdp2",
           "fsdp1_fsdp2": "torch_fsdp2", "fsdp1_fsdp2_tp": "torch_fsdp2_tp", "fsdp1_fsdp2_pp": "torch_fsdp2_pp",
           "fsdp1_fsdp2_float8": "torch_fsdp2_float8",
           "local_aa": "local"}

@@ -191,6 +191,19 @@ def broadcast_from_first(tensor: torch.Tensor, group: ProcessGroup) -> "GuardedW
                         lambda: dist.broadcast(tensor, src=source, group=group, async_op=True))
 
 
+def exchange_rows(received: torch.Tensor, send: torch.Tensor, group: ProcessGroup, op: str,
+                  about: Optional[str] = None) -> "GuardedWork | Finished":
+    """An all-to-all of equal rows that leaves this rank out: ``send``'s row ``i`` goes to the ``i``-th
+    other rank (in group order) and ``received``'s row ``i`` comes from it. ``op`` names it in a failure."""
+    world, rank = group_size(group), group_rank(group)
+    if world == 1:
+        return Finished()
+    row = send.numel() // (world - 1)
+    splits = [0 if peer == rank else row for peer in range(world)]
+    return issue_async(group, op, send, about, lambda: dist.all_to_all_single(
+        received.view(-1), send.view(-1), output_split_sizes=splits, input_split_sizes=splits, group=group, async_op=True))
+
+
 def all_to_all(output: torch.Tensor, send: torch.Tensor, output_splits: List[int], send_splits: List[int],
                group: ProcessGroup) -> None:
     """Send ``send``'s consecutive pieces (``send_splits``) to the ranks in order; rank r's piece for

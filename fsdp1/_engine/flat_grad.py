@@ -31,6 +31,7 @@ from .dtensors import is_wrapper_subclass
 from .layout import ParamLayout, free_storage
 from .mixed_precision import HandlePrecision
 from .shard_math import gradient_divide_factors
+from .transport import Transport
 from .views import ParamViews, assign_grad
 
 
@@ -121,8 +122,6 @@ class ReduceSettings:
     """Called with the reduced shard, after the all-reduce over the replicas (``set_all_reduce_hook``)."""
     after_reduce_stream: Optional[Any] = None
     """The stream ``after_reduce`` runs on (None: the current one)."""
-    user_reduce_scatter: Optional[comm.UserReduceScatter] = None
-    """Allocates the reduce-scatter's buffers and runs it, as a sum (``set_custom_reduce_scatter``)."""
 
 
 class FlatGrad:
@@ -136,13 +135,14 @@ class FlatGrad:
     """
 
     def __init__(self, flat_param: torch.nn.Parameter, layout: ParamLayout, views: ParamViews,
-                 groups: comm.ProcessGroups, precision: HandlePrecision, settings: ReduceSettings,
+                 transport: Transport, precision: HandlePrecision, settings: ReduceSettings,
                  in_full_precision: Callable[[], bool], compute_device: torch.device, offloaded: bool) -> None:
         self._flat_param = flat_param
         self._layout = layout
         self._views = views
-        self._group = groups.shard
-        self._replicate_group = replicate_group = groups.replicate
+        self._transport = transport
+        self._group = transport.group
+        self._replicate_group = replicate_group = transport.replicate_group
         self.settings = settings
         self.precision = precision
         self._in_full_precision = in_full_precision  # evaluation in full precision right now
@@ -357,21 +357,16 @@ class FlatGrad:
         sharded = self._layout.is_sharded
         self._skipped = self._frozen() if sharded and hook is None and self._layout.world_size > 1 else frozenset()
         grad = self._layout.reduce_input(grad, self._skipped)
-        reduced = grad.new_empty(grad.numel() // self._layout.world_size) if sharded else grad
         if hook is not None:
+            reduced = grad.new_empty(grad.numel() // self._layout.world_size) if sharded else grad
             return GradReduction(self, hook.reduce(grad, reduced if sharded else None), grad, reduced)
         pre_divide = self._divide_factors[0]
         if pre_divide > 1:
             grad.div_(pre_divide)
-        user_reduce_scatter = self.settings.user_reduce_scatter
-        work: comm.Waitable
-        if sharded and user_reduce_scatter is not None:
-            grad, reduced, work = comm.user_reduce_scatter(user_reduce_scatter, grad, self._group, self.path)
-        elif sharded:
-            work = comm.reduce_scatter_into(reduced, grad, self._group, self.path)
-        else:
-            work = comm.all_reduce(grad, self._group, self.path)
-        return GradReduction(self, work, grad, reduced, frees_input=sharded and user_reduce_scatter is None)
+        if not sharded:
+            return GradReduction(self, self._transport.all_reduce(grad, self.path), grad, grad)
+        work, reduce_input, reduced, frees_input = self._transport.reduce_scatter(grad, self.path)
+        return GradReduction(self, work, reduce_input, reduced, frees_input)
 
     def _frozen(self) -> FrozenSet[int]:
         """The parameters the reduction leaves out: the frozen ones, where the layout reduces by
@@ -392,7 +387,7 @@ class FlatGrad:
             if not self.settings.all_reduces_replicas:
                 self._unreplicated = reduced
                 return
-            comm.all_reduce(reduced, self._replicate_group, self.path).wait()
+            self._transport.all_reduce(reduced, self.path, replicas=True).wait()
         if not self._span_is_whole_shard():  # frozen parameters keep no gradient
             lo, hi = self.span
             reduced = reduced[lo:hi].clone()

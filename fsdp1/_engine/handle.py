@@ -30,6 +30,12 @@ has read it (keeping it until ``wait()`` cost one bf16 shard of peak under prefe
 handle follows one rule: it computes on a buffer apart from its shard exactly when it is sharded,
 computes in low precision, or is offloaded.
 
+Every collective goes through the handle's ``transport``, which decides how values travel; the
+layout only says where they sit. With ``quantization`` (``BlockQuantization``) the gathers that
+forward and backward compute on travel block-quantized from the full-precision shard, and every
+other gather (``summon_full_params``, the state dicts, full gradients) travels exact: quantization
+changes what is sent, never what is kept.
+
 CPU offload moves only the shard and its gradient: the shard lives in pinned CPU memory, a gather
 copies it to the compute device on its way into the all-gather, and a reduced gradient comes back
 asynchronously into pinned memory, with one wait before the optimizer's gradient is assembled. On a
@@ -44,6 +50,7 @@ import torch
 from torch import nn
 
 from .._torch_internals import version_of
+from ..api import BlockQuantization
 from . import collectives as comm
 from .collectives import ProcessGroups
 from .flat_grad import FlatGrad, ReduceSettings, to_host
@@ -51,6 +58,7 @@ from .flat_parameter import FlatParameter
 from .layout import ParamLayout, alloc_storage, free_storage
 from .mixed_precision import HandlePrecision
 from .shard_conversions import ShardConversions
+from .transport import Transport
 from .traversal import ParamSlot
 from .views import FLAT_PARAM, ParamViews, assign_grad
 
@@ -118,6 +126,7 @@ class FlatParamHandle:
         rows_after_forward: Optional[RowsAfterForward] = None,
         materialize_in_place: Optional[Callable[[Sequence[ParamSlot]], None]] = None,
         device: Optional[torch.device] = None,
+        quantization: Optional[BlockQuantization] = None,
     ) -> None:
         self.group = groups.shard
         self.replicate_group = groups.replicate
@@ -145,17 +154,16 @@ class FlatParamHandle:
         self._low_precision_buffer = self._make_low_precision_buffer()
         self._unsharded_buffer = unsharded  # the one the current gather filled
         self.views.install_initial(self.flat_param, self._local_shard, unsharded, self.layout)
-        self.grad = FlatGrad(self.flat_param, self.layout, self.views, groups, precision,
+        self.transport = Transport(self.layout, groups.shard, groups.replicate, quantization)
+        self.grad = FlatGrad(self.flat_param, self.layout, self.views, self.transport, precision,
                              reduce_settings or ReduceSettings(), lambda: self.forces_full_precision,
                              self.compute_device, self._offloaded)
-        self.conversions = ShardConversions(self, self.layout, self.group)
+        self.conversions = ShardConversions(self, self.layout, self.transport)
         self.state = HandleState.UNSHARDED
         self.keeps_unsharded_storage = False  # set_keep_unsharded_storage: resharding keeps the buffers' storage
         if self._needs_unshard:
             self._free_unsharded()
         self._gather_work: Optional[comm.Waitable] = None
-        self._custom_all_gather: Optional[comm.UserAllGather] = None
-        self._gather_input: Optional[torch.Tensor] = None  # the cast or copied shard a gather in flight reads
         self._rows_after_forward = rows_after_forward
         self._forward_views: List[torch.Tensor] = []  # the last forward's, tied to autograd
         self._gathered_from: Optional[Tuple[torch.Tensor, int]] = None  # the shard and its version at the last gather
@@ -275,7 +283,8 @@ class FlatParamHandle:
         precision wanted). It runs in param_dtype: the shard is cast (and, offloaded, copied to the
         compute device) into a temporary that the collective's work keeps alive until it has read
         it, and no longer. ``full_precision`` (summon_full_params, state dicts; by default evaluation
-        under ``FSDP_USE_FULL_PREC_IN_EVAL``) gathers the shard's own dtype instead."""
+        under ``FSDP_USE_FULL_PREC_IN_EVAL``) gathers the shard's own dtype instead, and never
+        quantized; the gathers for computing are, under ``quantization``."""
         for_computing = full_precision is None
         if full_precision is None:
             full_precision = self.forces_full_precision
@@ -304,10 +313,9 @@ class FlatParamHandle:
             target.copy_(self._local_shard, non_blocking=True)
             self.state = HandleState.UNSHARDED
             return
-        source = self._local_shard.to(device=target.device, dtype=target.dtype, non_blocking=True)
         extras = self.views.gather_extras() if for_computing else None
-        self._gather_work = self.layout.all_gather(target, source, self.group, self.path, extras, self._custom_all_gather)
-        self._gather_input = None if source is self._local_shard else source
+        self._gather_work = self.transport.all_gather(target, self._local_shard, self.path, extras,
+                                                      quantized=for_computing and not full_precision)
         self.state = HandleState.UNSHARDING
 
     def wait_unshard(self) -> None:
@@ -322,11 +330,8 @@ class FlatParamHandle:
         """Wait for the all-gather once: a failed one is not waited for again by the reshard that
         undoes the aborted forward."""
         work, self._gather_work = self._gather_work, None
-        gather_input, self._gather_input = self._gather_input, None
         if work is not None:
             work.wait()
-        if gather_input is not None:  # freed now: a gloo worker drops its reference a moment later
-            free_storage(gather_input)
 
     def use_unsharded_views(self, on_resting_params: bool = False) -> Optional[torch.autograd.graph.Node]:
         """Give the module views of the unsharded flat parameter, made under the caller's grad mode so
@@ -484,17 +489,14 @@ class FlatParamHandle:
         if not self.is_sharded:
             return self.layout.unflatten(shard)
         full = shard.new_empty(self.layout.unsharded_numel)
-        self.layout.all_gather(full, shard, self.group, self.path).wait()
+        self.transport.all_gather(full, shard, self.path).wait()
         return self.layout.unflatten(full)
 
     def set_custom_collectives(self, all_gather: Optional[comm.UserAllGather] = None,
                               reduce_scatter: Optional[comm.UserReduceScatter] = None) -> None:
         """The user's all-gather for the unit's gathers and reduce-scatter for its reductions
         (torch's ``set_custom_all_gather`` / ``set_custom_reduce_scatter``); None keeps the one set."""
-        if all_gather is not None:
-            self._custom_all_gather = all_gather
-        if reduce_scatter is not None:
-            self.grad.settings.user_reduce_scatter = reduce_scatter
+        self.transport.set_custom(self.path, all_gather, reduce_scatter)
 
     def adopt_replaced_flat_param(self) -> None:
         """A client replaced ``flat_param.data`` between steps (HF Accelerate upcasts the flat

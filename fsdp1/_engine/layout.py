@@ -4,7 +4,9 @@ A layout answers four questions that the handle's collectives, its views and the
 (its other members are sizes and helpers built on the answers):
 
 * what an all-gather of the ranks' shards fills: the unsharded buffer, of which every parameter is
-  a view in its own shape (``unflatten``), and how the gather is issued (``all_gather``);
+  a view in its own shape (``unflatten``), which runs of a shard travel (``sent_pieces``) and where
+  each rank's land (``gathers_in_place``, ``copy_out``); the collectives themselves are the unit's
+  transport's (``transport.py``), which knows nothing of where values sit;
 * what a gradient reduction reads: the unsharded gradient, in the order the collective splits it
   over the ranks (``reduce_input``);
 * where each original parameter's part of this rank's shard lives (``shard_infos``,
@@ -23,7 +25,7 @@ in a file of its own (``_wrapper/flat_shard_layout.py``: FSDP1's runs of the fla
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Callable, FrozenSet, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -60,8 +62,8 @@ class ParamLayout(ABC):
     ``local_view`` returns the shape the original parameter shows at rest (flat where the shard
     holds a run of elements, the held slices' shape where it holds whole slices). The defaults
     (``shard_of``, ``shard_of_values``) assume one contiguous run per parameter; a layout that cuts
-    otherwise overrides them. ``extras`` and ``custom`` of ``all_gather``, and reducing by parameter,
-    are ``fully_shard``'s; ``is_sharded`` False (NO_SHARD) and ``unpadded_numel`` are FSDP1's.
+    otherwise overrides them. Leaving parameters out of a gather or a reduction (``skipped``) is
+    ``fully_shard``'s; ``is_sharded`` False (NO_SHARD) and ``unpadded_numel`` are FSDP1's.
     """
 
     shapes: Tuple[torch.Size, ...]
@@ -110,13 +112,26 @@ class ParamLayout(ABC):
         """Each parameter, in its own shape, as a view of an unsharded buffer (or of its gradient)."""
         return self.param_views(self.split(unsharded))
 
+    filled_padding: Tuple[Tuple[int, int], ...] = ()
+    """Runs ``[start, end)`` of this rank's shard that belong to no parameter and hold a fill value
+    other than zero (FSDP1's alignment padding): a codec must not take them for values."""
+
+    gathers_in_place = False
+    """Whether the ranks' shards, rank after rank, are the unsharded buffer itself (FSDP1's flat
+    shard), so that a gather fills it with no copy; otherwise ``copy_out`` places them."""
+
+    def sent_pieces(self, shard: torch.Tensor, skipped: FrozenSet[int] = frozenset()) -> List[torch.Tensor]:
+        """The runs of ``shard`` a gather sends, in order, without the parameters in ``skipped``
+        (gathered apart by an all-gather extension: only where ``reduces_by_parameter``)."""
+        assert not skipped, "only a layout that reduces by parameter leaves any out"
+        return [shard]
+
     @abstractmethod
-    def all_gather(self, unsharded: torch.Tensor, shard: torch.Tensor, group: comm.ProcessGroup, path: str,
-                   extras: Optional[GatherExtras] = None, custom: Optional[comm.UserAllGather] = None) -> comm.Waitable:
-        """Start filling ``unsharded`` from every rank's ``shard`` (and, with ``extras``, gathering
-        those in the same collective; with ``custom``, through the user's all-gather); the
-        parameters' views of it are valid once the returned work is waited for. ``unsharded``'s
-        storage may be freed: the layout allocates it when it first writes there."""
+    def copy_out(self, unsharded: torch.Tensor, rows: Iterator[Tuple[int, torch.Tensor]],
+                 skipped: FrozenSet[int] = frozenset()) -> None:
+        """Each ``(rank, values)`` of ``rows`` into ``unsharded`` (allocated only now: a prefetched
+        gather holds one unsharded buffer's worth until it is waited for, not two), ``values`` being
+        what ``sent_pieces`` of that rank's shard sent, end to end."""
 
     @abstractmethod
     def reduce_input(self, unsharded_grad: torch.Tensor, skipped: FrozenSet[int] = frozenset()) -> torch.Tensor:

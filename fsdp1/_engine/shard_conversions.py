@@ -11,8 +11,8 @@ from typing import List, Optional, Protocol, Sequence
 
 import torch
 
-from . import collectives as comm
 from .layout import ParamLayout
+from .transport import Transport
 
 
 class ShardHolder(Protocol):
@@ -28,10 +28,11 @@ class ShardHolder(Protocol):
 class ShardConversions:
     """Conversions between one unit's shard (or a tensor laid out as it) and per-parameter forms."""
 
-    def __init__(self, holder: ShardHolder, layout: ParamLayout, group: comm.ProcessGroup) -> None:
+    def __init__(self, holder: ShardHolder, layout: ParamLayout, transport: Transport) -> None:
         self._holder = holder
         self._layout = layout
-        self._group = group
+        self._transport = transport
+        self._group = transport.group
 
     # ----------------------------------------------------------------------------- the parameters
     def load_full_params(self, values: Sequence[Optional[torch.Tensor]]) -> None:
@@ -75,7 +76,7 @@ class ShardConversions:
             return [view.clone() for view in self._layout.unflatten(flat_shard)]
         flat_shard = flat_shard.to(self._holder.compute_device)  # an offloaded shard is gathered where the group works
         full = flat_shard.new_empty(self._layout.unsharded_numel)
-        self._layout.all_gather(full, flat_shard.contiguous(), self._group, "").wait()
+        self._transport.all_gather(full, flat_shard.contiguous(), "").wait()
         return self._layout.unflatten(full)
 
     def shard_of_full_values(self, values: Sequence[Optional[torch.Tensor]], like: torch.Tensor) -> torch.Tensor:

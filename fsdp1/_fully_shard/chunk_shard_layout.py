@@ -1,15 +1,15 @@
 """FSDP2's layout of a unit's parameters: every parameter split along its shard dim, a chunk a rank.
 
 The collectives see the ranks' chunks rank-major, while the unsharded buffer is parameter-major like
-every layout's: ``all_gather`` and ``reduce_input`` permute between the two orders.
+every layout's: ``copy_out`` and ``reduce_input`` permute between the two orders.
 """
 
-from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
+from typing import FrozenSet, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from .._engine import collectives as comm
-from .._engine.layout import GatherExtras, ParamLayout, alloc_storage
+from .._engine.layout import ParamLayout, alloc_storage
 from .._engine.shard_math import FlatLayout, ParamShardInfo, shard_span
 
 
@@ -24,7 +24,7 @@ class ChunkShardLayout(ParamLayout):
     The unsharded buffer is parameter-major: parameter ``i`` at ``flat.offsets[i]``, followed by the
     padding rows of its last chunks, so the buffer splits into the same views as FSDP1's. The
     collectives order the ranks' shards rank-major (``[rank 0: p0 chunk, p1 chunk, ... | rank 1: ...]``);
-    ``all_gather`` copies that order out into the buffer once the collective is done, and
+    ``copy_out`` copies that order out into the buffer once the collective is done, and
     ``reduce_input`` copies the gradient into it. One copy each way, as torch's FSDP2 pays; its
     copy into the all-gather's input is saved, since the shard already is that input.
     """
@@ -52,6 +52,7 @@ class ChunkShardLayout(ParamLayout):
         self.unsharded_numel = shard_offset * world_size
         self.flat = FlatLayout(tuple(offsets), tuple(shape.numel() for shape in self.shapes), self.unsharded_numel)
         self._split_along_rows = all(dim == 0 for dim in self.shard_dims)
+        self.gathers_in_place = world_size == 1  # one rank: its shard is the buffer
         self._plan_split()
 
     def new_unsharded(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -79,51 +80,24 @@ class ChunkShardLayout(ParamLayout):
             if value is not None:
                 self.local_view(shard, index).copy_(self.held_part(index, value))
 
-    def all_gather(self, unsharded: torch.Tensor, shard: torch.Tensor, group: comm.ProcessGroup, path: str,
-                   extras: Optional[GatherExtras] = None, custom: Optional[comm.UserAllGather] = None) -> comm.Waitable:
-        if extras is not None:
-            return self._all_gather_packed(unsharded, shard, group, path, extras, custom)
-        if self.world_size == 1:  # one rank: its shard is the buffer
-            alloc_storage(unsharded)
-            return comm.all_gather_into(unsharded, shard, group, path)
-        if custom is not None:
-            gathered, work = comm.user_all_gather(custom, shard, group, path)
-            return _CopiedOut(work, self, unsharded, dict(enumerate(gathered.view(self.world_size, self.shard_numel).unbind())))
-        if comm.is_gloo_pair(group):  # only the peer's shard travels; each is copied out once
-            peer = shard.new_empty(self.shard_numel)
-            return _CopiedOut(comm.receive_peer_shard(peer, shard, group, path), self, unsharded, {self.rank: shard, 1 - self.rank: peer})
-        gathered = unsharded.new_empty(self.unsharded_numel).view(self.world_size, self.shard_numel)
-        return _CopiedOut(comm.all_gather_into(gathered.view(-1), shard, group, path), self, unsharded,
-                          dict(enumerate(gathered.unbind())))
+    def sent_pieces(self, shard: torch.Tensor, skipped: FrozenSet[int] = frozenset()) -> List[torch.Tensor]:
+        if not skipped:
+            return [shard]
+        return [piece for index, piece in enumerate(torch.split(shard, list(self.chunk_numels))) if index not in skipped]
 
-    def _all_gather_packed(self, unsharded: torch.Tensor, shard: torch.Tensor, group: comm.ProcessGroup, path: str,
-                           extras: GatherExtras, custom: Optional[comm.UserAllGather]) -> comm.Waitable:
-        """One gather, in bytes, of this rank's chunks but the skipped ones and of the extra inputs,
-        as torch's FSDP2 packs a group's all-gather inputs of several dtypes into one."""
-        pieces = [piece for index, piece in enumerate(torch.split(shard, list(self.chunk_numels))) if index not in extras.skipped]
-        sizes = [tensor.numel() * tensor.element_size() for tensor in (*pieces, *extras.inputs)]
-        padding = -sum(sizes) % shard.element_size()  # every rank's row starts aligned for the chunks' dtype
-        packed = torch.cat([tensor.contiguous().view(-1).view(torch.uint8) for tensor in (*pieces, *extras.inputs)]
-                           + [shard.new_zeros(padding, dtype=torch.uint8)])
-        work: comm.Waitable
-        if custom is not None:
-            gathered, work = comm.user_all_gather(custom, packed, group, path)
-        else:
-            gathered = packed.new_empty(packed.numel() * self.world_size)
-            work = comm.all_gather_into(gathered, packed, group, path)
-        return _PackedCopiedOut(work, self, unsharded, shard.dtype, gathered.view(self.world_size, -1), sizes + [padding], extras)
-
-    def copy_out(self, shards: Dict[int, torch.Tensor], unsharded: torch.Tensor) -> None:
-        """Each rank's shard into its chunks of the parameter-major ``unsharded``, allocated only now:
-        a prefetched gather holds one unsharded buffer's worth until it is waited for, not two."""
+    def copy_out(self, unsharded: torch.Tensor, rows: Iterator[Tuple[int, torch.Tensor]],
+                 skipped: FrozenSet[int] = frozenset()) -> None:
         alloc_storage(unsharded)
-        rank_major = self._rank_major(unsharded)
-        for rank, shard in shards.items():
+        sent = [(numel, chunks) for index, (numel, chunks) in enumerate(zip(self.chunk_numels, self._rank_major(unsharded)))
+                if index not in skipped]
+        sizes = [numel for numel, _ in sent]
+        for rank, values in rows:
+            targets = [chunks[rank] for _, chunks in sent]
             if self._split_along_rows:
-                torch.split_with_sizes_copy(shard, list(self.chunk_numels), out=[chunks[rank] for chunks in rank_major])
+                torch.split_with_sizes_copy(values, sizes, out=targets)
                 continue
-            for chunks, piece in zip(rank_major, torch.split(shard, list(self.chunk_numels))):
-                chunks[rank].copy_(piece.view(chunks[rank].shape))
+            for target, piece in zip(targets, torch.split(values, sizes)):
+                target.copy_(piece.view(target.shape))
 
     reduces_by_parameter = True
 
@@ -159,50 +133,3 @@ class ChunkShardLayout(ParamLayout):
         first, end = self._held[index]
         return piece.view(*shape[:dim], end - first, *shape[dim + 1 :])
 
-
-class _CopiedOut:
-    """An all-gather of the ranks' shards (by rank), copied out into the parameter-major buffer on
-    ``wait()``."""
-
-    def __init__(self, work: comm.Waitable, layout: ChunkShardLayout, unsharded: torch.Tensor, shards: Dict[int, torch.Tensor]) -> None:
-        self._work: Optional[comm.Waitable] = work
-        self._layout, self._unsharded, self._shards = layout, unsharded, shards
-
-    def wait(self) -> bool:
-        if self._work is not None:
-            work, self._work = self._work, None
-            work.wait()
-            self._layout.copy_out(self._shards, self._unsharded)
-            self._shards = {}
-        return True
-
-
-class _PackedCopiedOut:
-    """A packed all-gather (``ChunkShardLayout._all_gather_packed``), copied out on ``wait()``: each
-    rank's chunks into the parameter-major buffer, each extra input's copies into its byte buffer;
-    then the extras' ``finish``."""
-
-    def __init__(self, work: comm.Waitable, layout: ChunkShardLayout, unsharded: torch.Tensor, dtype: torch.dtype,
-                 rows: torch.Tensor, sizes: List[int], extras: GatherExtras) -> None:
-        self._work: Optional[comm.Waitable] = work
-        self._layout, self._unsharded, self._dtype = layout, unsharded, dtype
-        self._rows, self._sizes, self._extras = rows, sizes, extras
-
-    def wait(self) -> bool:
-        if self._work is None:
-            return True
-        work, self._work = self._work, None
-        work.wait()
-        alloc_storage(self._unsharded)
-        layout, extras = self._layout, self._extras
-        sent = [chunks for index, chunks in enumerate(layout._rank_major(self._unsharded)) if index not in extras.skipped]
-        outputs = [output.view(layout.world_size, -1) for output in extras.outputs]
-        for rank, row in enumerate(self._rows.unbind()):
-            segments = torch.split(row, self._sizes)
-            for chunks, segment in zip(sent, segments):
-                chunks[rank].copy_(segment.view(self._dtype).view(chunks[rank].shape))
-            for output, segment in zip(outputs, segments[len(sent):]):
-                output[rank].copy_(segment)
-        self._rows = torch.empty(0, dtype=torch.uint8)
-        extras.finish()
-        return True

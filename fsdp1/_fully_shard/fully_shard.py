@@ -36,11 +36,13 @@ from .._state_dict.fully_shard_hooks import register_fully_shard_hooks
 from .._torch_internals import composable_apis_of, local_tensor, register_composable_api
 from .._torch_version import FULLY_SHARD_FOLLOWS_GRAD_DTYPE
 from ..api import (
+    BlockQuantization,
     CPUOffloadPolicy,
     DataParallelMeshDims,
     MixedPrecision,
     MixedPrecisionPolicy,
     OffloadPolicy,
+    check_comm_quantization,
 )
 from .arguments import (
     as_mixed_precision_policy,
@@ -71,6 +73,7 @@ def fully_shard(
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: Optional[Set[nn.Parameter]] = None,
     dp_mesh_dims: Optional[DataParallelMeshDims] = None,
+    comm_quantization: Optional[BlockQuantization] = None,
 ) -> Any:
     """Shard ``module``'s parameters (those not in a module sharded before) as one group over
     ``mesh``, in place, and return it: torch's ``fully_shard`` on fsdp1's engine.
@@ -81,8 +84,12 @@ def fully_shard(
     gradient reduced to this rank's part. A parameter that is a DTensor already (tensor parallelism;
     on the whole mesh with ``dp_mesh_dims``) is sharded by its local tensor and keeps its placements
     after the data-parallel ones, as torch's.
+
+    ``comm_quantization`` is fsdp1's own, not torch's: a ``BlockQuantization`` makes the gathers
+    forward and backward compute on, and the gradient's reduction, send block-quantized values.
     """
     modules = checked_modules(module)
+    check_comm_quantization(comm_quantization, "fully_shard")
     mesh, dp_mesh_dims = checked_mesh(mesh, dp_mesh_dims)
     dp_mesh = DataParallelMesh(mesh, dp_mesh_dims)
     after_forward, rows_group_size = reshard_after_forward_flag(reshard_after_forward, comm.group_size(dp_mesh.groups[0]))
@@ -97,7 +104,8 @@ def fully_shard(
         slots += _managed_slots(each, ignored, shard_placement_fn, dp_mesh, shardings)
     _check_resharding_to_fewer_ranks(reshard_after_forward, rows_group_size, dp_mesh_dims, slots, shardings)
     check_one_dtype(slots)
-    handle = _group_handle(modules[0], slots, shardings, dp_mesh, policy, offload, rows_group_size) if slots else None
+    handle = _group_handle(modules[0], slots, shardings, dp_mesh, policy, offload, rows_group_size,
+                           comm_quantization) if slots else None
     compute_device = handle.compute_device if handle is not None else torch.device(dp_mesh.mesh.device_type)
     replicated = [m for each in modules for m in each.modules() if _is_replicated(m)]
     UnitState(modules[0], modules[0], handle, dp_mesh.groups[0], UnitSchedule(after_forward), _as_fsdp1_precision(policy),
@@ -133,7 +141,8 @@ def _check_resharding_to_fewer_ranks(value: Optional[Union[bool, int]], rows_gro
 
 
 def _group_handle(module: nn.Module, slots: List[ParamSlot], shardings: Dict[int, ParamSharding], dp_mesh: DataParallelMesh,
-                  policy: MixedPrecisionPolicy, offload: OffloadPolicy, rows_group_size: int) -> FlatParamHandle:
+                  policy: MixedPrecisionPolicy, offload: OffloadPolicy, rows_group_size: int,
+                  quantization: Optional[BlockQuantization]) -> FlatParamHandle:
     """The handle of the group's parameters: DTensor views over the chunk layout, reduced as torch's FSDP2 reduces."""
     shard_group, replicate_group = dp_mesh.groups
     param_dtype = group_param_dtype(policy, slots)
@@ -150,7 +159,7 @@ def _group_handle(module: nn.Module, slots: List[ParamSlot], shardings: Dict[int
     rows = _rows_after_forward(layout, dp_mesh.mesh, rows_group_size) if rows_group_size else None
     handle = FlatParamHandle(views, layout, ProcessGroups(shard_group, replicate_group), precision,
                              offload_params=isinstance(offload, CPUOffloadPolicy), reduce_settings=settings,
-                             rows_after_forward=rows)
+                             rows_after_forward=rows, quantization=quantization)
     views.grad_dtype_of_resting = lambda: handle.precision.unsharded_grad_dtype
     return handle
 

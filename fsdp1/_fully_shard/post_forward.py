@@ -9,6 +9,7 @@ from torch import nn
 from .._engine import collectives as comm
 from .._engine.dtensors import MeshPlacements
 from .._engine.layout import alloc_storage
+from .._engine.transport import Transport
 from .chunk_shard_layout import ChunkShardLayout
 
 
@@ -21,7 +22,7 @@ class PostForwardRows:
     def __init__(self, full: ChunkShardLayout, group: comm.ProcessGroup, sharding: MeshPlacements) -> None:
         self._full = full
         self.layout = ChunkShardLayout(full.shapes, comm.group_rank(group), comm.group_size(group))
-        self.group = group
+        self._transport = Transport(self.layout, group)
         self.sharding = sharding
         self._kept: Optional[torch.Tensor] = None
 
@@ -40,7 +41,7 @@ class PostForwardRows:
         kept, self._kept = self._kept, None
         assert kept is not None, "gathered from kept rows only while they are held"
         gathered = self.layout.new_unsharded(kept.dtype, kept.device)
-        self.layout.all_gather(gathered, kept, self.group, path).wait()
+        self._transport.all_gather(gathered, kept, path).wait()
         alloc_storage(unsharded)
         with torch.no_grad():
             for target, source in zip(self._full.unflatten(unsharded), self.layout.unflatten(gathered)):

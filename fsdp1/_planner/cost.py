@@ -2,11 +2,14 @@
 
 A step is its compute (forward and backward FLOPs, recomputation included, at the matmul rate of the
 compute dtype), the communication that compute does not hide (bytes sent at the collective rate,
-less the share the machine overlaps with compute), the offload copies, and the optimizer step
-(elements held, at the optimizer's measured rate on the device or, offloaded, on the host). Every rate
+less the share the machine overlaps with compute), the offload copies, the optimizer step
+(elements held, at the optimizer's measured rate on the device or, offloaded, on the host) and,
+with quantized communication, its codec (every value sent encoded once and decoded once, at the
+codec's measured rate; the bytes are the dry run's, which ran the codec). Every rate
 comes from a probe on the machine the planner runs on (``Calibration.measure``): two processes on the
 device's own backend, as ranks of a job share the machine, time a matmul in each dtype, an
-all-gather, the two at once (how much of the all-gather the matmul hides) and the user's optimizer.
+all-gather, the two at once (how much of the all-gather the matmul hides), the user's optimizer and
+the int8 codec.
 A plan states its cost as a ratio to the model's bare compute (``reference``: forward and backward, no
 recomputation, full precision) on that machine, never as seconds: the seconds hold for the probed
 machine only, the ratios carry over wherever its rates keep their proportions.
@@ -54,6 +57,7 @@ class Calibration:
     host_optimizer_s_per_element: float
     host_copy_bytes: Optional[float]  # host <-> device; None where the device is the host
     measured_on: str
+    codec_s_per_value: Optional[float] = None  # int8 block quantization, encoding plus decoding; None: not measured
 
     def as_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -83,7 +87,7 @@ class Calibration:
         return cls(matmul_flops=rank0["matmul_flops"], collective_bytes=min(r["collective_bytes"] for r in found),
                    overlap=min(r["overlap"] for r in found), optimizer_s_per_element=rank0["optimizer"],
                    host_optimizer_s_per_element=rank0["host_optimizer"], host_copy_bytes=rank0["host_copy"],
-                   measured_on=rank0["where"])
+                   measured_on=rank0["where"], codec_s_per_value=rank0["codec"])
 
 
 @dataclass(frozen=True)
@@ -94,10 +98,11 @@ class StepCost:
     exposed_comm: float
     offload: float
     optimizer: float
+    codec: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.compute + self.exposed_comm + self.offload + self.optimizer
+        return self.compute + self.exposed_comm + self.offload + self.optimizer + self.codec
 
 
 def step_cost(settings: Settings, footprint: Footprint, calibration: Calibration, shard_size: int) -> StepCost:
@@ -116,7 +121,16 @@ def step_cost(settings: Settings, footprint: Footprint, calibration: Calibration
         gathers = footprint.comm.get("all_gather", 0) / (shard_size - 1) / shard_bytes if shard_size > 1 else 1.0
         offload = shard_bytes * (max(1.0, gathers) + 1) / calibration.host_copy_bytes
     rate = calibration.host_optimizer_s_per_element if settings.offload else calibration.optimizer_s_per_element
-    return StepCost(compute=compute, exposed_comm=comm - hidden, offload=offload, optimizer=footprint.held * rate)
+    codec = 0.0
+    if settings.quantized:  # each value sent is encoded by its sender and decoded by its receiver, in the step's path
+        codec = 2 * comm_bytes / INT8_BYTES_PER_VALUE * (calibration.codec_s_per_value or 0.0)
+    return StepCost(compute=compute, exposed_comm=comm - hidden, offload=offload, optimizer=footprint.held * rate,
+                    codec=codec)
+
+
+INT8_BYTES_PER_VALUE = 1 + 4 / 256
+"""Bytes a value travels as under ``BlockQuantization()``: its int8 code and its share of a float32
+scale per 256 values."""
 
 
 def _free_port() -> int:

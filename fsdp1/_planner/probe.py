@@ -1,5 +1,5 @@
 """The probe of ``Calibration.measure``, run in two fresh processes: what a matmul in each dtype, an
-all-gather, the two at once and the user's optimizer cost on this machine. Each process prints its
+all-gather, the two at once, the user's optimizer and the int8 codec cost on this machine. Each process prints its
 measurements as one line of JSON."""
 
 import base64
@@ -13,6 +13,8 @@ from typing import Any, Callable, Dict
 import torch
 import torch.distributed as dist
 
+from .._engine.quantization import BlockCodec
+from ..api import BlockQuantization
 from .cost import OptimizerKind
 from .settings import dtype_name
 
@@ -68,7 +70,21 @@ def _probe(device: torch.device, comm_device: torch.device, optimizer: Optimizer
              "optimizer": _optimizer_rate(device, optimizer)}
     found["host_optimizer"] = found["optimizer"] if device.type == "cpu" else _optimizer_rate(torch.device("cpu"), optimizer)
     found["host_copy"] = None if device.type == "cpu" else _host_copy_rate(device)
+    found["codec"] = _codec_rate(device)
     return found
+
+
+def _codec_rate(device: torch.device) -> float:
+    """Seconds a value costs to encode and decode with ``BlockQuantization()``'s codec."""
+    codec = BlockCodec(torch.int8, BlockQuantization().block_size)
+    values = torch.randn(_PROBE_ELEMENTS, device=device)
+    encoded = torch.empty(codec.encoded_nbytes(values.numel()), dtype=torch.uint8, device=device)
+
+    def round_trip() -> None:
+        codec.encode_into(values, encoded)
+        codec.decode_into(encoded, values)
+
+    return _timed(device, round_trip, repeats=4) / values.numel()
 
 
 def _optimizer_rate(device: torch.device, optimizer: OptimizerKind) -> float:

@@ -15,7 +15,10 @@ never measures what cannot win:
   falls about linearly with them, so the line through the closest measured pair that brackets the
   budget names the next count to measure, usually right within two runs;
 * with ``fully_shard``, when the fully resharded model fits and the kept-gathered one does not, the
-  same search finds how many of the last blocks can keep their parameters gathered.
+  same search finds how many of the last blocks can keep their parameters gathered;
+* last, where the fastest candidate's exposed communication is a quarter of its step or more, the
+  same candidate with int8 communication (``BlockQuantization``): one more dry run, whose bytes the
+  codec really sent.
 
 A 7B-parameter Llama plans in 12-18 dry runs of 2-3 seconds each. Each candidate measured is kept,
 with its peak and (when it fits) its cost, for the plan's table.
@@ -56,6 +59,10 @@ class Shape:
         return self.mesh_shape[1] if self.mesh_shape else self.world_size
 
 
+COMMUNICATION_DOMINATES = 0.25
+"""The share of a step that exposed communication takes before the search tries quantizing it."""
+
+
 class Search:
     """Finds the candidates of one job that fit ``usable`` bytes a device, and what each costs."""
 
@@ -73,7 +80,20 @@ class Search:
                 base = Settings(self.api, ShardingStrategy.FULL_SHARD, param_dtype=dtype, use_orig_params=use_orig_params)
                 if not self._family(base) and self._offload_useful():
                     self._family(base.replace(offload=True))
+            self._quantized_where_communication_dominates()
         return list(self.measured.values())
+
+    def _quantized_where_communication_dominates(self) -> None:
+        """The fastest fitting candidate again with int8 communication, when the communication its
+        compute does not hide is at least ``COMMUNICATION_DOMINATES`` of its step (and the codec's
+        rate was measured): a quarter of the bytes, for the codec's time and its buffers' memory."""
+        fitting = [c for c in self.measured.values() if c.cost is not None]
+        if not fitting or self.calibration.codec_s_per_value is None or self.shape.shard_size < 2:
+            return
+        fastest = min(fitting, key=lambda c: c.cost.total if c.cost else float("inf"))
+        assert fastest.cost is not None
+        if fastest.cost.exposed_comm >= COMMUNICATION_DOMINATES * fastest.cost.total:
+            self.measure(fastest.settings.replace(quantized=True))
 
     def smallest(self) -> Candidate:
         return min(self.measured.values(), key=lambda c: c.footprint.peak)

@@ -23,6 +23,7 @@ from .._torch_internals import checkpoint_wrapper_api
 from .._wrapper.fully_sharded_data_parallel import FullyShardedDataParallel
 from ..api import (
     BackwardPrefetch,
+    BlockQuantization,
     CPUOffload,
     CPUOffloadPolicy,
     MixedPrecision,
@@ -44,7 +45,8 @@ class Settings:
     parameters gathered from forward to backward (``reshard_after_forward=False``);
     ``checkpointed``: how many blocks, the first ones, recompute their activations in backward;
     ``use_orig_params``: FSDP1's, set when the model has frozen parameters (a unit may then mix
-    frozen and trainable ones)."""
+    frozen and trainable ones); ``quantized``: the gathers and reductions send int8
+    (``comm_quantization=BlockQuantization()``), offered where communication dominates the step."""
 
     api: str
     strategy: ShardingStrategy
@@ -54,6 +56,7 @@ class Settings:
     offload: bool = False
     backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE
     use_orig_params: bool = False
+    quantized: bool = False
 
     def replace(self, **changes: Any) -> "Settings":
         return dataclasses.replace(self, **changes)
@@ -70,6 +73,8 @@ class Settings:
             parts.append(dtype_name(self.param_dtype))
         if self.offload:
             parts.append("CPU offload")
+        if self.quantized:
+            parts.append("int8 comm")
         if self.api == FSDP1 and self.backward_prefetch is not BackwardPrefetch.BACKWARD_PRE:
             parts.append(f"backward_prefetch={_enum_code(self.backward_prefetch)}")
         return ", ".join(parts)
@@ -116,6 +121,8 @@ def apply(settings: Settings, model: nn.Module, classes: Tuple[Type[nn.Module], 
     constructor or to every ``fully_shard`` call."""
     blocks = blocks_of(model, classes)
     checkpointed = set(blocks[: settings.checkpointed])
+    if settings.quantized:
+        fsdp_kwargs["comm_quantization"] = BlockQuantization()
     if settings.api == FSDP1:
         if mesh is not None:
             fsdp_kwargs["device_mesh"] = mesh
@@ -167,6 +174,8 @@ def code(settings: Settings, classes: Tuple[Type[nn.Module], ...], num_blocks: i
             arguments.append(f"backward_prefetch={_enum_code(settings.backward_prefetch)}")
         if settings.use_orig_params:
             arguments.append("use_orig_params=True")
+        if settings.quantized:
+            arguments.append("comm_quantization=fsdp1.BlockQuantization()")
         if hybrid:
             arguments.append("device_mesh=mesh")
         lines.append("model = fsdp1.FullyShardedDataParallel(model, " + ", ".join(arguments) + ")")
@@ -176,6 +185,8 @@ def code(settings: Settings, classes: Tuple[Type[nn.Module], ...], num_blocks: i
             policies += f", mp_policy=fsdp1.MixedPrecisionPolicy(param_dtype={settings.param_dtype}, reduce_dtype=torch.float32)"
         if settings.offload:
             policies += ", offload_policy=fsdp1.CPUOffloadPolicy()"
+        if settings.quantized:
+            policies += ", comm_quantization=fsdp1.BlockQuantization()"
         keep = ("True" if settings.kept_gathered == 0 else "False" if settings.kept_gathered == num_blocks
                 else f"i < len(blocks) - {settings.kept_gathered}")
         lines += ["for i, block in enumerate(blocks):",
@@ -208,4 +219,4 @@ def settings_dict(settings: Settings) -> Dict[str, Any]:
             "param_dtype": None if settings.param_dtype is None else dtype_name(settings.param_dtype),
             "offload": settings.offload,
             "backward_prefetch": None if settings.backward_prefetch is None else settings.backward_prefetch.name,
-            "use_orig_params": settings.use_orig_params}
+            "use_orig_params": settings.use_orig_params, "quantized": settings.quantized}

@@ -1,11 +1,11 @@
 """FSDP1's layout of a unit's parameters: the flat concatenation split into equal runs, one a rank."""
 
-from typing import FrozenSet, List, Optional, Sequence, Tuple
+from typing import FrozenSet, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from .._engine import collectives as comm
-from .._engine.layout import GatherExtras, ParamLayout, alloc_storage
+from .._engine.layout import ParamLayout, alloc_storage
 from .._engine.shard_math import (
     ALIGNMENT_PADDING_VALUE,
     FlatLayout,
@@ -38,7 +38,20 @@ class FlatShardLayout(ParamLayout):
         self.shard_numel = self.unsharded_numel // shard_world
         self.span: ShardSpan = shard_span(self.flat.numel, rank if is_sharded else 0, shard_world)
         self.shard_infos = param_shard_infos(self.flat, self.span)
+        self.filled_padding = self._alignment_padding_in_shard()
         self._plan_split()
+
+    def _alignment_padding_in_shard(self) -> Tuple[Tuple[int, int], ...]:
+        """The runs of this rank's shard that alignment padding fills (``ALIGNMENT_PADDING_VALUE``)."""
+        gaps, cursor = [], 0
+        for offset, numel in zip(self.flat.offsets, self.flat.numels):
+            if offset > cursor:
+                gaps.append((cursor, offset))
+            cursor = offset + numel
+        if self.flat.numel > cursor:
+            gaps.append((cursor, self.flat.numel))
+        start, end = self.span.start, self.span.end
+        return tuple((max(a, start) - start, min(b, end) - start) for a, b in gaps if min(b, end) > max(a, start))
 
     def new_unsharded(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         unsharded = torch.full((self.unsharded_numel,), ALIGNMENT_PADDING_VALUE, dtype=dtype, device=device)
@@ -65,11 +78,14 @@ class FlatShardLayout(ParamLayout):
         """The all-to-all between the flat shards and the rows."""
         return RowRedistribution(self.flat.offsets, self.shapes, self.flat.numel, *self._row_rank_and_world, group)
 
-    def all_gather(self, unsharded: torch.Tensor, shard: torch.Tensor, group: comm.ProcessGroup, path: str,
-                   extras: Optional[GatherExtras] = None, custom: Optional[comm.UserAllGather] = None) -> comm.Waitable:
-        assert extras is None and custom is None, "all-gather extensions and custom all-gathers are fully_shard's"
+    gathers_in_place = True
+
+    def copy_out(self, unsharded: torch.Tensor, rows: Iterator[Tuple[int, torch.Tensor]],
+                 skipped: FrozenSet[int] = frozenset()) -> None:
+        assert not skipped, "a flat shard's runs cross parameters: none is left out"
         alloc_storage(unsharded)
-        return comm.all_gather_into(unsharded, shard, group, path)
+        for rank, values in rows:
+            unsharded[rank * self.shard_numel : (rank + 1) * self.shard_numel].copy_(values)
 
     def reduce_input(self, unsharded_grad: torch.Tensor, skipped: FrozenSet[int] = frozenset()) -> torch.Tensor:
         assert not skipped, "a flat shard's runs cross parameters: none is left out"

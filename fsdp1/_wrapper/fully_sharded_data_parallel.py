@@ -32,12 +32,14 @@ from .._state_dict import state_dict as _state_dict
 from .._state_dict.settings import state_dicts_of
 from ..api import (
     BackwardPrefetch,
+    BlockQuantization,
     CPUOffload,
     MixedPrecision,
     OptimStateDictConfig,
     ShardingStrategy,
     StateDictConfig,
     StateDictType,
+    check_comm_quantization,
     coerce_config,
     coerce_enum,
 )
@@ -92,11 +94,13 @@ class FullyShardedDataParallel(nn.Module, OptimStateDictAPI):
         ignored_states: Optional[Iterable[Any]] = None,
         device_mesh: Optional[Any] = None,
         *,
+        comm_quantization: Optional[BlockQuantization] = None,
         _params_of_outer_units: Optional[Iterable[nn.Parameter]] = None,
     ) -> None:
         super().__init__()
         # Check everything before touching the module.
         refuse_fully_shard_modules(module)
+        check_comm_quantization(comm_quantization, "FullyShardedDataParallel")
         if mixed_precision is not None:
             mixed_precision = checked_precision(coerce_config(mixed_precision, MixedPrecision, "mixed_precision"))
         check_param_init_fn(param_init_fn)
@@ -123,13 +127,13 @@ class FullyShardedDataParallel(nn.Module, OptimStateDictAPI):
                 mixed_precision=mixed_precision, backward_prefetch=backward_prefetch, device_id=device_id,
                 forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers, use_orig_params=use_orig_params,
                 param_init_fn=param_init_fn, sync_module_states=sync_module_states,
-                ignored_states=self._ignored.params or None, device_mesh=device_mesh,
+                ignored_states=self._ignored.params or None, device_mesh=device_mesh, comm_quantization=comm_quantization,
             )
             auto_wrap(module, auto_wrap_policy, child_kwargs, type(self), self._ignored)
 
         handle, compute_device = UnitHandleBuilder(module, self._ignored, param_init_fn, device_id).build(
             groups, strategy in SHARDED_STRATEGIES and self.world_size > 1, mixed_precision, use_orig_params,
-            self.cpu_offload.offload_params, sync_module_states, _params_of_outer_units or ())
+            self.cpu_offload.offload_params, sync_module_states, _params_of_outer_units or (), comm_quantization)
         self._fsdp_wrapped_module = module
 
         # Runtime state, owned by the unit's state; the root is decided lazily, at the first forward.
@@ -386,6 +390,11 @@ class FullyShardedDataParallel(nn.Module, OptimStateDictAPI):
                 )
             if unit.handle is not None and unit.handle.grad.settings.comm_hook is not None:
                 raise AssertionError("A communication hook is already registered; register one hook, once, before training.")
+            if unit.handle is not None and unit.handle.transport.grad_codec is not None:
+                raise ValueError(
+                    f"fsdp1: register_comm_hook replaces the gradient reduction that comm_quantization quantizes (unit "
+                    f"'{unit.path or '<root>'}'): use one of them (BlockQuantization(gradients=None) leaves the reduction to the hook)."
+                )
         comm_hook = CommHook(hook, state, is_low_precision_hook(hook))
         for unit in units:
             if unit.handle is not None:

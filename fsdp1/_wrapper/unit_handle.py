@@ -13,7 +13,7 @@ from .._engine.handle import FlatParamHandle
 from .._engine.mixed_precision import HandlePrecision
 from .._engine.orig_views import OrigParamViews
 from .._engine.traversal import ParamSlot
-from ..api import MixedPrecision
+from ..api import BlockQuantization, MixedPrecision
 from .flat_shard_layout import FlatShardLayout
 from .flat_views import FlatParamViews
 from .initial_values import MetaInit, move_to_compute_device
@@ -33,7 +33,8 @@ class UnitHandleBuilder:
 
     def build(self, groups: ProcessGroups, is_sharded: bool, mixed_precision: Optional[MixedPrecision],
               use_orig_params: bool, offload_params: bool, sync_module_states: bool,
-              params_of_outer_units: Iterable[nn.Parameter]) -> Tuple[Optional[FlatParamHandle], torch.device]:
+              params_of_outer_units: Iterable[nn.Parameter],
+              quantization: Optional[BlockQuantization]) -> Tuple[Optional[FlatParamHandle], torch.device]:
         """The handle (None without parameters) and the unit's compute device. Meta parameters reset by
         the default init get their storage in the flat buffer itself, so that their unit is never held
         twice."""
@@ -62,6 +63,6 @@ class UnitHandleBuilder:
                                  comm.group_size(groups.shard), is_sharded)
         handle = FlatParamHandle(
             views, layout, groups, precision, offload_params,
-            materialize_in_place=initialize if in_place else None, device=compute_device,
+            materialize_in_place=initialize if in_place else None, device=compute_device, quantization=quantization,
         )
         return handle, compute_device
