@@ -19,14 +19,12 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from .shard_math import rounded_up
+
 SCALE_DTYPE = torch.float32
 _PIECE_NUMEL = 1 << 18  # values encoded or decoded at once (1 MiB of float32 scratch)
 
 PieceHoles = Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]
-
-
-def _rounded_up(numel: int, multiple: int) -> int:
-    return -(-numel // multiple) * multiple
 
 
 class BlockCodec:
@@ -44,7 +42,7 @@ class BlockCodec:
         return -(-numel // self.block_size)
 
     def _codes_nbytes(self, numel: int) -> int:
-        return _rounded_up(self.blocks(numel) * self.block_size, 4)
+        return rounded_up(self.blocks(numel) * self.block_size, 4)
 
     def encoded_nbytes(self, numel: int) -> int:
         """The bytes a run of ``numel`` values is sent as: codes, then one float32 scale a block."""
@@ -114,7 +112,6 @@ class BlockCodec:
         numel, block = out.numel(), self.block_size
         codes = encoded[: self._codes_nbytes(numel)].view(self.dtype)
         scales = encoded[self._codes_nbytes(numel) :].view(SCALE_DTYPE)
-        scratch = None if accumulate else out  # decoded straight into ``out``, one kernel a piece, where blocks fit
         for start in range(0, numel, self._piece):
             length = min(self._piece, numel - start)
             blocks = self.blocks(length)
@@ -123,7 +120,7 @@ class BlockCodec:
                 piece_codes = piece_codes.float()
             piece_scales = scales[start // block : start // block + blocks].unsqueeze(1)
             target = out[start : start + length]
-            if scratch is out and length == blocks * block:
+            if not accumulate and length == blocks * block:  # decoded straight into ``out``, one kernel a piece
                 torch.mul(piece_codes, piece_scales, out=target.view(blocks, block))
                 continue
             values = torch.mul(piece_codes, piece_scales).view(-1)[:length]

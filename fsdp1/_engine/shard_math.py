@@ -22,9 +22,14 @@ def chunk_numel(numel: int, world_size: int) -> int:
     return -(-numel // world_size)
 
 
+def rounded_up(numel: int, multiple: int) -> int:
+    """``numel`` rounded up to a multiple of ``multiple``."""
+    return -(-numel // multiple) * multiple
+
+
 def padded_unsharded_numel(numel: int, world_size: int) -> int:
     """Flat numel right-padded so that it splits evenly over the ranks."""
-    return chunk_numel(numel, world_size) * world_size
+    return rounded_up(numel, world_size)
 
 
 @dataclass(frozen=True)

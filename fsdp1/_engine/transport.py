@@ -30,6 +30,7 @@ from ..api import BlockQuantization
 from . import collectives as comm
 from .layout import GatherExtras, ParamLayout, alloc_storage, free_storage
 from .quantization import BlockCodec, PieceHoles
+from .shard_math import chunk_numel, rounded_up
 
 _ROW_ALIGNMENT = 8  # every rank's row of a packed gather starts aligned for any dtype it holds
 
@@ -144,7 +145,7 @@ class Transport:
         head_nbytes = codec.encoded_nbytes(numel) if codec is not None else numel * source.element_size()
         extra_inputs = [tensor.contiguous().view(-1).view(torch.uint8) for tensor in (extras.inputs if extras else ())]
         sizes = [head_nbytes, *(tensor.numel() for tensor in extra_inputs)]
-        packed = torch.empty(_rounded_up(sum(sizes), _ROW_ALIGNMENT), dtype=torch.uint8, device=source.device)
+        packed = torch.empty(rounded_up(sum(sizes), _ROW_ALIGNMENT), dtype=torch.uint8, device=source.device)
         segments = torch.split(packed, sizes + [packed.numel() - sum(sizes)])
         if codec is not None:
             values = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
@@ -239,7 +240,7 @@ class Transport:
         codec = self.grad_codec
         assert codec is not None, "a quantized reduction has a gradient codec"
         world, numel = comm.group_size(group), tensor.numel()
-        chunk = -(-numel // world)
+        chunk = chunk_numel(numel, world)
         padded = tensor.new_zeros(world * chunk)
         padded[:numel] = tensor.view(-1)
         own = padded.new_empty(chunk)
@@ -268,7 +269,3 @@ def _decoded_one_by_one(codec: BlockCodec, heads: torch.Tensor, scratch: torch.T
     for rank, head in enumerate(heads.unbind()):
         codec.decode_into(head, scratch)
         yield rank, scratch
-
-
-def _rounded_up(numel: int, multiple: int) -> int:
-    return -(-numel // multiple) * multiple
