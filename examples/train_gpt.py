@@ -200,6 +200,8 @@ def add_training_arguments(parser: argparse.ArgumentParser, steps: int) -> None:
     parser.add_argument("--comm-quantization", choices=list(COMM_QUANTIZATION), default="none",
                         help="send gathers and gradient reductions block-quantized (fsdp1's own)")
     parser.add_argument("--losses", type=Path, help="write this run's per-step mean losses (JSON)")
+    parser.add_argument("--seed", type=int, default=0, help="the initial model's and the batches' seed (a run's twin, "
+                        "for telling a setting's effect from a trajectory's chance)")
 
 
 def main() -> None:
@@ -218,7 +220,7 @@ def main() -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     data, vocab = load_corpus(args.text)
 
-    torch.manual_seed(0)  # the same initial model on every rank
+    torch.manual_seed(args.seed)  # the same initial model on every rank
     model = GPT(vocab, args.block_size, args.d_model, args.layers, args.heads)
     num_params = sum(p.numel() for p in model.parameters())
     model = fsdp1.FullyShardedDataParallel(
@@ -241,7 +243,7 @@ def main() -> None:
     losses: List[torch.Tensor] = []  # this rank's, averaged over the ranks once, at the end
     start = time.perf_counter()
     for step in bar:
-        inputs, targets = batch(data, args.block_size, args.batch_size, rank, step)
+        inputs, targets = batch(data, args.block_size, args.batch_size, args.seed * world_size + rank, step)
         loss = F.cross_entropy(model(inputs).reshape(-1, vocab), targets.reshape(-1))
         loss.backward()
         optim.step()

@@ -81,9 +81,9 @@ def main() -> None:
 
     torch.set_num_threads(1)
     init_distributed()
-    rank = dist.get_rank()
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     data, vocab = load_corpus(args.text)
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     model = shard(GPT(vocab, args.block_size, args.d_model, args.layers, args.heads), args.bf16,
                   COMM_QUANTIZATION[args.comm_quantization])
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -94,7 +94,7 @@ def main() -> None:
     losses: List[float] = []
     start = time.perf_counter()
     for step in range(first_step, args.steps + 1):
-        inputs, targets = batch(data, args.block_size, args.batch_size, rank, step)
+        inputs, targets = batch(data, args.block_size, args.batch_size, args.seed * world_size + rank, step)
         loss = F.cross_entropy(model(inputs).reshape(-1, vocab).float(), targets.reshape(-1))
         loss.backward()
         optim.step()

@@ -31,9 +31,9 @@ def main() -> None:
 
     torch.set_num_threads(1)
     init_distributed()
-    rank = dist.get_rank()
+    rank, world_size = dist.get_rank(), dist.get_world_size()
     data, vocab = load_corpus(args.text)
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     config = GPT2Config(vocab_size=vocab, n_positions=args.block_size, n_embd=args.d_model, n_layer=args.layers,
                         n_head=args.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     model = fsdp1.FullyShardedDataParallel(GPT2LMHeadModel(config), auto_wrap_policy=ModuleWrapPolicy({GPT2Block}),
@@ -42,7 +42,7 @@ def main() -> None:
     losses: List[torch.Tensor] = []
     start = time.perf_counter()
     for step in range(1, args.steps + 1):
-        inputs, _ = batch(data, args.block_size, args.batch_size, rank, step)
+        inputs, _ = batch(data, args.block_size, args.batch_size, args.seed * world_size + rank, step)
         loss = model(input_ids=inputs, labels=inputs).loss  # the model shifts the labels itself
         loss.backward()
         optim.step()

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp1._engine import collectives as comm
+from fsdp1._engine.layout import runs_between
 from fsdp1._engine.quantization import BlockCodec
 from fsdp1._engine.transport import Transport
 from fsdp1._fully_shard.chunk_shard_layout import ChunkShardLayout
@@ -63,12 +64,13 @@ QUANTIZED = BlockQuantization(weights=torch.int8, gradients=torch.int8, block_si
 CODEC = BlockCodec(torch.int8, 4)
 
 
-def _round_trip(values):
-    """``values`` (1-D) as the codec gives them back."""
-    encoded = torch.empty(CODEC.encoded_nbytes(values.numel()), dtype=torch.uint8)
-    CODEC.encode_into(values, encoded)
+def _round_trip(values, runs):
+    """``values`` (1-D, laid out as ``runs``) as the codec gives them back."""
+    plan = CODEC.plan(runs, values.device)
+    encoded = torch.empty(CODEC.encoded_nbytes(values.numel(), plan), dtype=torch.uint8)
+    CODEC.encode_into(values, encoded, plan)
     decoded = torch.empty_like(values)
-    CODEC.decode_into(encoded, decoded)
+    CODEC.decode_into(encoded, decoded, plan)
     return decoded
 
 
@@ -100,7 +102,7 @@ def _quantized_gather_decodes_every_shard(kind):
     if layout.is_sharded:
         Transport(layout, dist.group.WORLD, quantization=QUANTIZED).all_gather(unsharded, shards[rank], "", quantized=True).wait()
         expected = layout.new_unsharded(torch.float32, torch.device("cpu"))
-        layout.copy_out(expected, iter([(r, _round_trip(shard)) for r, shard in enumerate(shards)]))
+        layout.copy_out(expected, iter([(r, _round_trip(shard, layout.sent_runs(r))) for r, shard in enumerate(shards)]))
     else:  # nothing travels
         unsharded, expected = shards[rank], shards[rank]
     return [torch.equal(got, want) for got, want in zip(layout.unflatten(unsharded), layout.unflatten(expected))]
@@ -118,19 +120,20 @@ def _quantized_reduction_sums_the_decoded_pieces(kind):
         expected = pieces[rank].clone()
         for r in range(world):
             if r != rank:
-                expected += _round_trip(pieces[r])
+                expected += _round_trip(pieces[r], layout.sent_runs(rank))
     else:  # an all-reduce: a quantized reduce-scatter of equal chunks, then the sums' quantized all-gather
         reduced = grads[rank].clone()
         transport.all_reduce(reduced, "").wait()
         chunk = -(-reduced.numel() // world)
         padded = [torch.nn.functional.pad(grad, (0, world * chunk - grad.numel())).view(world, chunk) for grad in grads]
+        runs = [runs_between(layout.sent_runs(rank), owner * chunk, (owner + 1) * chunk) for owner in range(world)]
         sums = []
         for owner in range(world):
             total = padded[owner][owner].clone()
             for r in range(world):
                 if r != owner:
-                    total += _round_trip(padded[r][owner])
-            sums.append(_round_trip(total))
+                    total += _round_trip(padded[r][owner], runs[owner])
+            sums.append(_round_trip(total, runs[owner]))
         expected = torch.cat(sums)[: reduced.numel()]
     return [torch.equal(got, want) for got, want in zip(layout.local_views(reduced), layout.local_views(expected))]
 
@@ -196,6 +199,25 @@ def _chunk(value, dim, rank, world):
     return value.narrow(dim, start, min(start + per_rank, size) - start)
 
 
+def _runs_hold_each_parameter_apart(kind):
+    """Every parameter's part of the shard lies within one run of what the rank sends, a run of its
+    own that holds no fill value; the runs cover the shard end to end."""
+    layout = LAYOUTS[kind](dist.get_rank(), dist.get_world_size())
+    runs = layout.sent_runs(layout.rank)
+    ends = torch.tensor([run.numel for run in runs]).cumsum(0).tolist()
+    holders = []
+    for info in layout.shard_infos:
+        if not info.in_shard:
+            holders.append(None)
+            continue
+        index = next(i for i, end in enumerate(ends) if end > info.offset_in_shard)
+        start = ends[index] - runs[index].numel
+        holders.append(index if start <= info.offset_in_shard and info.offset_in_shard + info.numel_in_shard <= ends[index]
+                       and not runs[index].fill else "crossed")
+    held = [index for index in holders if index is not None]
+    return [ends[-1] == layout.shard_numel and holder != "crossed" and held.count(holder) <= 1 for holder in holders]
+
+
 ALL = [True] * len(SHAPES)
 
 PROPERTIES = {
@@ -205,6 +227,7 @@ PROPERTIES = {
     "each parameter's slices come out of the shard as DTensor's Shard(dim) holds them": _rows_come_out,
     "rows loaded into an empty shard give the shard back": _rows_go_back,
     "a user's all-gather fills what the default one fills": _through_a_user_all_gather,
+    "each parameter's part of the shard is a run of its own": _runs_hold_each_parameter_apart,
     "a quantized gather fills each rank's shard as the codec gives it back": _quantized_gather_decodes_every_shard,
     "a quantized reduction sums each rank's own piece and the others' decoded ones": _quantized_reduction_sums_the_decoded_pieces,
 }

@@ -35,11 +35,12 @@ CLOSE = {"int8": 1e-2, "int8_weights": 1e-2, "int8_gradients": 1e-2, "fp8": 2e-2
 
 
 # ------------------------------------------------------------------ the codec
-def _round_trip(codec, values, holes=None):
-    encoded = torch.empty(codec.encoded_nbytes(values.numel()), dtype=torch.uint8)
-    codec.encode_into(values, encoded, holes)
+def _round_trip(codec, values, runs=None):
+    plan = codec.plan(runs, values.device) if runs is not None else None
+    encoded = torch.empty(codec.encoded_nbytes(values.numel(), plan), dtype=torch.uint8)
+    codec.encode_into(values, encoded, plan)
     decoded = torch.empty_like(values)
-    codec.decode_into(encoded, decoded)
+    codec.decode_into(encoded, decoded, plan)
     return decoded, encoded
 
 
@@ -97,6 +98,83 @@ def test_a_block_with_an_overflow_comes_back_non_finite_and_zeros_come_back_zero
     assert not bool(decoded[8:].isfinite().any())
 
 
+def test_a_block_two_runs_share_gives_each_its_own_scale_and_fill_values_come_back_zeros():
+    """LayerNorm gains of 1.0 beside weights of 0.02 in one block: each run's values come back within
+    half a step of that run's own largest magnitude in the block, not the gains'; a fill run (FSDP1's
+    alignment padding, 42.0) comes back zeros and sets no scale."""
+    from fsdp1._engine.layout import Run
+
+    codec = BlockCodec(torch.int8, 8)
+    runs = [Run(3), Run(2, fill=True), Run(6), Run(9), Run(1)]
+    values = torch.cat([torch.tensor([0.01, -0.02, 0.015]), torch.full((2,), 42.0), torch.ones(6),
+                        torch.linspace(-0.02, 0.02, 9), torch.tensor([3e-4])])
+    decoded, encoded = _round_trip(codec, values, runs)
+    plan = codec.plan(runs, values.device)
+    assert encoded.numel() == codec.encoded_nbytes(values.numel()) + 4 * plan.segments  # a scale for each run's part of a cut block
+    assert torch.equal(decoded[3:5], torch.zeros(2))
+    cursor = 0
+    for run in runs:
+        part, got = values[cursor : cursor + run.numel], decoded[cursor : cursor + run.numel]
+        if not run.fill:
+            assert bool(((got - part).abs() <= part.abs().max() / 254 * (1 + 2**-20)).all()), (run, got, part)
+        cursor += run.numel
+    whole_block = _round_trip(codec, values)[0]  # one run: the gains set the scale of the weights beside them
+    assert (whole_block[11:13] - values[11:13]).abs().max() > 0.1 * 0.02
+
+
+@pytest.mark.parametrize("front", ["fsdp1", "fsdp1_orig_params", "fully_shard"])
+def test_every_parameter_comes_back_within_half_a_step_of_its_own_largest_value(front):
+    """What the forward computes on (the codec's round trip, by the test above it) is, parameter by
+    parameter, within max|parameter| / 254 of the exact weight: no block lends one parameter's scale
+    to another, in either front's layout, with alignment padding or not."""
+    for within in run_on_ranks(2, _each_parameter_within_its_own_step, front):
+        assert within == [True] * len(within)
+
+
+def _each_parameter_within_its_own_step(front):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    kwargs = dict(use_orig_params=True) if front == "fsdp1_orig_params" else {}
+    model = _wrapped(front.split("_orig")[0], make_gpt(), BlockQuantization(gradients=None), **kwargs)
+    with torch.no_grad():
+        model(batch(0, rank, world)[0])  # the units learn their paths
+    exact = _decoded_weights(model, _Identity())
+    decoded = _decoded_weights(model, BlockCodec(torch.int8, INT8.block_size))
+    return [bool(((decoded[name] - value).abs() <= value.abs().max() / 254 * (1 + 2**-20)).all()) for name, value in exact.items()]
+
+
+class _ZeroSized(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.empty = torch.nn.Parameter(torch.zeros(0, 4))
+
+    def forward(self, x):
+        return x + self.empty.sum()
+
+
+def _a_unit_of_nothing_trains_as_unquantized(front):
+    """A unit whose only parameter has no element sends nothing, quantized or not."""
+    losses = []
+    for quantization in (INT8, None):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(2, 2), _ZeroSized(), torch.nn.Linear(2, 2))
+        if front == "fully_shard":
+            fsdp1.fully_shard(model[1], comm_quantization=quantization)
+            fsdp1.fully_shard(model, comm_quantization=quantization)
+        else:
+            model[1] = fsdp1.FullyShardedDataParallel(model[1], comm_quantization=quantization)
+            model = fsdp1.FullyShardedDataParallel(model, comm_quantization=quantization)
+        loss = model(torch.ones(4, 2)).square().sum()
+        loss.backward()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("front", ["fsdp1", "fully_shard"])
+def test_a_unit_whose_parameters_have_no_element_trains_quantized(front):
+    for quantized, plain in run_on_ranks(2, _a_unit_of_nothing_trains_as_unquantized, front):
+        assert abs(quantized - plain) <= 1e-2 * abs(plain)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(weights=torch.bfloat16), "weights=torch.bfloat16"),
     (dict(gradients=torch.int4 if hasattr(torch, "int4") else torch.int16), "gradients="),
@@ -127,8 +205,7 @@ def _decoded_weights(model, codec):
         if handle is None:
             continue
         layout, own = handle.layout, handle.local_shard.detach()
-        holes = codec.holes(layout.filled_padding, own.numel(), own.device) if layout.filled_padding else None
-        decoded = _round_trip(codec, own, holes)[0]
+        decoded = _round_trip(codec, own, layout.sent_runs(layout.rank))[0]
         rows = [torch.empty_like(decoded) for _ in range(dist.get_world_size())]
         dist.all_gather(rows, decoded)
         unsharded = layout.new_unsharded(torch.float32, torch.device("cpu"))
@@ -348,16 +425,16 @@ class _Identity:
 
     block_size = 1
 
-    def encoded_nbytes(self, numel):
-        return 4 * numel
-
-    def holes(self, runs, numel, device):
+    def plan(self, runs, device):
         return None
 
-    def encode_into(self, values, encoded, holes=None):
+    def encoded_nbytes(self, numel, plan=None):
+        return 4 * numel
+
+    def encode_into(self, values, encoded, plan=None):
         encoded.view(torch.float32).copy_(values)
 
-    def decode_into(self, encoded, out):
+    def decode_into(self, encoded, out, plan=None):
         out.copy_(encoded.view(torch.float32))
 
 

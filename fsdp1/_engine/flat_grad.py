@@ -365,7 +365,7 @@ class FlatGrad:
             grad.div_(pre_divide)
         if not sharded:
             return GradReduction(self, self._transport.all_reduce(grad, self.path), grad, grad)
-        work, reduce_input, reduced, frees_input = self._transport.reduce_scatter(grad, self.path)
+        work, reduce_input, reduced, frees_input = self._transport.reduce_scatter(grad, self.path, self._skipped)
         return GradReduction(self, work, reduce_input, reduced, frees_input)
 
     def _frozen(self) -> FrozenSet[int]:

@@ -4,8 +4,9 @@ A layout answers four questions that the handle's collectives, its views and the
 (its other members are sizes and helpers built on the answers):
 
 * what an all-gather of the ranks' shards fills: the unsharded buffer, of which every parameter is
-  a view in its own shape (``unflatten``), which runs of a shard travel (``sent_pieces``) and where
-  each rank's land (``gathers_in_place``, ``copy_out``); the collectives themselves are the unit's
+  a view in its own shape (``unflatten``), which runs of a shard travel (``sent_pieces``; each
+  parameter's part of them, where a codec's blocks end: ``sent_runs``) and where each rank's land
+  (``gathers_in_place``, ``copy_out``); the collectives themselves are the unit's
   transport's (``transport.py``), which knows nothing of where values sit;
 * what a gradient reduction reads: the unsharded gradient, in the order the collective splits it
   over the ranks (``reduce_input``);
@@ -25,12 +26,32 @@ in a file of its own (``_wrapper/flat_shard_layout.py``: FSDP1's runs of the fla
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, FrozenSet, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, FrozenSet, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from . import collectives as comm
 from .shard_math import FlatLayout, ParamShardInfo
+
+
+class Run(NamedTuple):
+    """A stretch of what a rank sends: one parameter's part of its shard, or padding; ``fill`` where
+    the padding holds a fill value other than zero (FSDP1's alignment padding), no parameter's."""
+
+    numel: int
+    fill: bool = False
+
+
+def runs_between(runs: Sequence[Run], start: int, end: int) -> Tuple[Run, ...]:
+    """The parts of ``runs`` (end to end) in ``[start, end)``; past their end, zeros (an all-reduce's
+    padding up to equal chunks) as a run of their own."""
+    cut, cursor = [], 0
+    for run in runs:
+        numel = min(cursor + run.numel, end) - max(cursor, start)
+        if numel > 0:
+            cut.append(Run(numel, run.fill))
+        cursor += run.numel
+    return (*cut, Run(end - max(cursor, start))) if end > cursor else tuple(cut)
 
 
 @dataclass(frozen=True)
@@ -112,10 +133,6 @@ class ParamLayout(ABC):
         """Each parameter, in its own shape, as a view of an unsharded buffer (or of its gradient)."""
         return self.param_views(self.split(unsharded))
 
-    filled_padding: Tuple[Tuple[int, int], ...] = ()
-    """Runs ``[start, end)`` of this rank's shard that belong to no parameter and hold a fill value
-    other than zero (FSDP1's alignment padding): a codec must not take them for values."""
-
     gathers_in_place = False
     """Whether the ranks' shards, rank after rank, are the unsharded buffer itself (FSDP1's flat
     shard), so that a gather fills it with no copy; otherwise ``copy_out`` places them."""
@@ -125,6 +142,12 @@ class ParamLayout(ABC):
         (gathered apart by an all-gather extension: only where ``reduces_by_parameter``)."""
         assert not skipped, "only a layout that reduces by parameter leaves any out"
         return [shard]
+
+    @abstractmethod
+    def sent_runs(self, rank: int, skipped: FrozenSet[int] = frozenset()) -> Tuple[Run, ...]:
+        """What ``sent_pieces`` of rank ``rank``'s shard sends, end to end, as runs: each parameter's
+        part and each run of padding. A gradient's piece for that rank in ``reduce_input`` (without the
+        same ``skipped``) is laid out alike. A codec's blocks never mix two runs."""
 
     @abstractmethod
     def copy_out(self, unsharded: torch.Tensor, rows: Iterator[Tuple[int, torch.Tensor]],

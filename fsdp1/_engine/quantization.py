@@ -9,29 +9,70 @@ most ``max|block| / 254`` off; float8 e4m3 keeps three mantissa bits of ``value 
 holding a NaN or an infinity comes back non-finite, so that a gradient scaler still sees the overflow,
 and a finite block comes back finite, subnormal values included.
 
-Encoding and decoding work through a run in pieces of ``_PIECE_NUMEL`` values, so that their float32
+What is sent is a layout's runs end to end (each parameter's part of a shard, and its padding), and a
+block never mixes two of them: a LayerNorm's gains of 1.0 would otherwise set the scale of the 0.02
+weights beside them and cost those weights most of their precision. A block that a run boundary cuts
+(few: at most two a run) is encoded by segment, one scale for each run's part of it, and a run of a
+layout's fill values encodes as zeros. Which blocks those are is worked out once for each geometry
+(``BlockPlan``); a step then spends a fixed number of kernels on them, however many runs there are.
+
+Encoding and decoding work through the values in pieces of ``_PIECE_NUMEL``, so that their float32
 scratch stays that small whatever the run's length: the codec adds to a step's peak only the encoded
 bytes themselves. The codec only encodes and decodes; which collective carries the bytes is the
 transport's.
 """
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Set, Tuple
 
 import torch
 
+from .layout import Run
 from .shard_math import rounded_up
 
 SCALE_DTYPE = torch.float32
 _PIECE_NUMEL = 1 << 18  # values encoded or decoded at once (1 MiB of float32 scratch)
 
-PieceHoles = Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]
+
+class BlockPlan:
+    """Where ``runs`` (end to end, ``numel`` values) cut a codec's blocks: the positions of every value
+    in a block that holds parts of two runs or any fill value, which segment (a run's part of one such
+    block) each belongs to, and whether it is a fill value. Built once for a geometry and a device."""
+
+    def __init__(self, runs: Sequence[Run], block_size: int, device: torch.device) -> None:
+        self.numel = sum(run.numel for run in runs)
+        mixed: Set[int] = set()
+        starts, fills, cursor = [], [], 0
+        for run in runs:
+            if not run.numel:
+                continue
+            end = cursor + run.numel
+            starts.append(cursor)
+            fills.append(run.fill)
+            if run.fill:
+                mixed.update(range(cursor // block_size, (end - 1) // block_size + 1))
+            elif cursor % block_size:  # the block holds the previous run's end
+                mixed.add(cursor // block_size)
+            cursor = end
+        blocks = torch.tensor(sorted(mixed), dtype=torch.long)
+        positions = (blocks.unsqueeze(1) * block_size + torch.arange(block_size)).view(-1)
+        positions = positions[positions < self.numel]
+        run_of = torch.searchsorted(torch.tensor(starts, dtype=torch.long), positions, right=True) - 1
+        starts_segment = torch.ones_like(positions, dtype=torch.bool)
+        starts_segment[1:] = (run_of[1:] != run_of[:-1]) | (positions[1:] // block_size != positions[:-1] // block_size)
+        segment_of = torch.cumsum(starts_segment, 0) - 1
+        self.segments = int(segment_of[-1]) + 1 if positions.numel() else 0
+        self.mixed_blocks = blocks.to(device)
+        self.positions = positions.to(device)
+        self.segment_of = segment_of.to(device)
+        self.fill = torch.tensor(fills, dtype=torch.bool)[run_of].to(device)
 
 
 class BlockCodec:
-    """Encodes a run of ``numel`` values into ``encoded_nbytes(numel)`` bytes and back: the codes of
-    every block of ``block_size`` values (the last one padded with zeros), 4-byte aligned, then the
-    blocks' scales. Runs are independent, so that each rank's shard in a gather, or each
-    destination's piece of an all-to-all, decodes on its own."""
+    """Encodes ``numel`` values into ``encoded_nbytes(numel, plan)`` bytes and back: the codes of every
+    block of ``block_size`` values (the last one padded with zeros), 4-byte aligned, then the blocks'
+    scales, then the scales of the segments of the blocks that ``plan`` says runs cut (None: one run).
+    Encodings are independent, so that each rank's shard in a gather, or each destination's piece of
+    an all-to-all, decodes on its own."""
 
     def __init__(self, dtype: torch.dtype, block_size: int) -> None:
         self.dtype, self.block_size = dtype, block_size
@@ -41,77 +82,82 @@ class BlockCodec:
     def blocks(self, numel: int) -> int:
         return -(-numel // self.block_size)
 
+    def plan(self, runs: Sequence[Run], device: torch.device) -> BlockPlan:
+        return BlockPlan(runs, self.block_size, device)
+
     def _codes_nbytes(self, numel: int) -> int:
         return rounded_up(self.blocks(numel) * self.block_size, 4)
 
-    def encoded_nbytes(self, numel: int) -> int:
-        """The bytes a run of ``numel`` values is sent as: codes, then one float32 scale a block."""
-        return self._codes_nbytes(numel) + self.blocks(numel) * SCALE_DTYPE.itemsize
+    def encoded_nbytes(self, numel: int, plan: Optional[BlockPlan] = None) -> int:
+        """The bytes ``numel`` values are sent as: codes, then one float32 scale a block and a segment."""
+        return self._codes_nbytes(numel) + (self.blocks(numel) + (plan.segments if plan else 0)) * SCALE_DTYPE.itemsize
 
-    def holes(self, runs: Sequence[Tuple[int, int]], numel: int, device: torch.device) -> List[PieceHoles]:
-        """The runs ``[start, end)`` of a run of ``numel`` values that ``encode_into`` is to take for
-        zeros (a layout's fill values, which are no parameter's), by the pieces it encodes in turn:
-        their positions among each piece's whole blocks and in its last, padded block."""
-        holes: List[PieceHoles] = []
-        for start in range(0, numel, self._piece):
-            end = min(start + self._piece, numel)
-            whole_end = start + (end - start) // self.block_size * self.block_size
-            positions = [i for a, b in runs for i in range(max(a, start), min(b, end))]
-            whole = [i - start for i in positions if i < whole_end]
-            tail = [i - whole_end for i in positions if i >= whole_end]
-            whole_holes, tail_holes = (torch.tensor(part, dtype=torch.long, device=device) if part else None
-                                       for part in (whole, tail))
-            holes.append((whole_holes, tail_holes))
-        return holes
+    def _parts(self, encoded: torch.Tensor, numel: int, plan: Optional[BlockPlan]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The codes, the blocks' scales and the segments' scales in ``encoded``."""
+        codes_end = self._codes_nbytes(numel)
+        scales_end = codes_end + self.blocks(numel) * SCALE_DTYPE.itemsize
+        segments_end = scales_end + (plan.segments if plan else 0) * SCALE_DTYPE.itemsize
+        return (encoded[:codes_end].view(self.dtype), encoded[codes_end:scales_end].view(SCALE_DTYPE),
+                encoded[scales_end:segments_end].view(SCALE_DTYPE))
 
-    def encode_into(self, values: torch.Tensor, encoded: torch.Tensor, holes: Optional[Sequence[PieceHoles]] = None) -> None:
-        """Write ``values`` (1-D, any float dtype) as codes and scales into the uint8 ``encoded`` of
-        ``encoded_nbytes(values.numel())`` bytes; ``holes`` (from ``holes``) encode as zeros."""
+    def encode_into(self, values: torch.Tensor, encoded: torch.Tensor, plan: Optional[BlockPlan] = None) -> None:
+        """Write ``values`` (1-D, any float dtype, laid out as ``plan``'s runs) as codes and scales into
+        the uint8 ``encoded``; its bytes past ``encoded_nbytes`` (a row sized for a longer plan) are zeroed."""
         numel, block = values.numel(), self.block_size
-        codes = encoded[: self._codes_nbytes(numel)].view(self.dtype)
-        scales = encoded[self._codes_nbytes(numel) :].view(SCALE_DTYPE)
+        codes, scales, segment_scales = self._parts(encoded, numel, plan)
         codes[self.blocks(numel) * block :].zero_()  # the alignment's bytes: sent, so defined
-        for index, start in enumerate(range(0, numel, self._piece)):
+        encoded[self.encoded_nbytes(numel, plan) :].zero_()
+        for start in range(0, numel, self._piece):
             piece = values[start : start + self._piece]
             whole = piece.numel() // block * block
             first_block = start // block
-            whole_holes, tail_holes = holes[index] if holes is not None else (None, None)
             if whole:
                 self._encode_blocks(piece[:whole].view(-1, block), codes[start : start + whole].view(-1, block),
-                                    scales[first_block : first_block + whole // block], whole_holes)
-            if whole < piece.numel():  # the run's last block, padded with zeros
+                                    scales[first_block : first_block + whole // block])
+            if whole < piece.numel():  # the last block, padded with zeros
                 padded = piece.new_zeros(block)
                 padded[: piece.numel() - whole] = piece[whole:]
                 tail = first_block + whole // block
                 self._encode_blocks(padded.view(1, block), codes[start + whole : start + whole + block].view(1, block),
-                                    scales[tail : tail + 1], tail_holes)
+                                    scales[tail : tail + 1])
+        if plan is not None and plan.segments:
+            self._encode_segments(values, codes, scales, segment_scales, plan)
 
-    def _encode_blocks(self, blocks: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                       holes: Optional[torch.Tensor]) -> None:
-        magnitudes = blocks.abs()
-        if holes is not None:
-            magnitudes.view(-1).index_fill_(0, holes, 0)
-        largest = magnitudes.amax(dim=1).float()  # NaN where a block holds one
-        block_scales = largest / self._largest  # an infinity where the block holds one
-        scales.copy_(block_scales)
+    def _codes(self, values: torch.Tensor, largest: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``values`` as codes (in float32) and their scales, each group's ``largest`` magnitude
+        (broadcast over its values) setting its scale: NaN where a group holds one, an infinity where
+        it holds one."""
+        scales = largest / self._largest
         # Divided, not multiplied by an inverse: the inverse of a subnormal scale overflows, and 0 times
         # it is NaN. A zero scale (every value zero, or too small for any scale) divides by 1: its
         # values round to zero codes, and decode to zeros.
-        divisor = torch.where(block_scales > 0, block_scales, torch.ones_like(block_scales))
-        scaled = blocks.float().div(divisor.unsqueeze(1))
-        if holes is not None:
-            scaled.view(-1).index_fill_(0, holes, 0)
+        scaled = values.float().div(torch.where(scales > 0, scales, torch.ones_like(scales)))
         if self.dtype == torch.int8:
             scaled.round_()
-        scaled.clamp_(-self._largest, self._largest)  # a subnormal scale is rounded: a value may pass 127 by a few
-        codes.copy_(scaled)
+        return scaled.clamp_(-self._largest, self._largest), scales  # a subnormal scale is rounded: a value may pass 127 by a few
 
-    def decode_into(self, encoded: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> None:
-        """The values ``encode_into`` wrote into ``encoded``, into the 1-D ``out`` (its dtype), or,
-        with ``accumulate``, added to it."""
+    def _encode_blocks(self, blocks: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        scaled, block_scales = self._codes(blocks, blocks.abs().amax(dim=1, keepdim=True).float())
+        codes.copy_(scaled)
+        scales.copy_(block_scales.view(-1))
+
+    def _encode_segments(self, values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                         segment_scales: torch.Tensor, plan: BlockPlan) -> None:
+        """Re-encode the blocks that runs cut, one scale a segment, a fill value as a zero; their block
+        scales become 0, so that decoding them as whole blocks adds nothing."""
+        picked = values.index_select(0, plan.positions).float().masked_fill_(plan.fill, 0)
+        largest = picked.new_zeros(plan.segments).scatter_reduce_(0, plan.segment_of, picked.abs(), "amax")
+        scaled, _ = self._codes(picked, largest.index_select(0, plan.segment_of))
+        segment_scales.copy_(largest / self._largest)
+        codes.view(torch.uint8).index_copy_(0, plan.positions, scaled.to(self.dtype).view(torch.uint8))
+        scales.index_fill_(0, plan.mixed_blocks, 0)
+
+    def decode_into(self, encoded: torch.Tensor, out: torch.Tensor, plan: Optional[BlockPlan] = None,
+                    accumulate: bool = False) -> None:
+        """The values ``encode_into`` wrote into ``encoded`` (with the same ``plan``), into the 1-D
+        ``out`` (its dtype), or, with ``accumulate``, added to it."""
         numel, block = out.numel(), self.block_size
-        codes = encoded[: self._codes_nbytes(numel)].view(self.dtype)
-        scales = encoded[self._codes_nbytes(numel) :].view(SCALE_DTYPE)
+        codes, scales, segment_scales = self._parts(encoded, numel, plan)
         for start in range(0, numel, self._piece):
             length = min(self._piece, numel - start)
             blocks = self.blocks(length)
@@ -128,3 +174,10 @@ class BlockCodec:
                 target.add_(values)
             else:
                 target.copy_(values)
+        if plan is not None and plan.segments:
+            picked = codes.view(torch.uint8).index_select(0, plan.positions).view(self.dtype).float()
+            picked.mul_(segment_scales.index_select(0, plan.segment_of))
+            if accumulate:
+                out.index_add_(0, plan.positions, picked.to(out.dtype))
+            else:
+                out.index_copy_(0, plan.positions, picked.to(out.dtype))

@@ -9,7 +9,7 @@ from typing import FrozenSet, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from .._engine import collectives as comm
-from .._engine.layout import ParamLayout, alloc_storage
+from .._engine.layout import ParamLayout, Run, alloc_storage
 from .._engine.shard_math import FlatLayout, ParamShardInfo, shard_span
 
 
@@ -84,6 +84,9 @@ class ChunkShardLayout(ParamLayout):
         if not skipped:
             return [shard]
         return [piece for index, piece in enumerate(torch.split(shard, list(self.chunk_numels))) if index not in skipped]
+
+    def sent_runs(self, rank: int, skipped: FrozenSet[int] = frozenset()) -> Tuple[Run, ...]:
+        return tuple(Run(numel) for index, numel in enumerate(self.chunk_numels) if index not in skipped)  # the same on every rank
 
     def copy_out(self, unsharded: torch.Tensor, rows: Iterator[Tuple[int, torch.Tensor]],
                  skipped: FrozenSet[int] = frozenset()) -> None:

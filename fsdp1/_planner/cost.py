@@ -27,6 +27,8 @@ from typing import Any, Dict, List, Optional, Type
 
 import torch
 
+from .._engine.quantization import SCALE_DTYPE
+from ..api import BlockQuantization
 from .dry_run import Footprint
 from .settings import Settings, dtype_name
 
@@ -128,9 +130,9 @@ def step_cost(settings: Settings, footprint: Footprint, calibration: Calibration
                     codec=codec)
 
 
-INT8_BYTES_PER_VALUE = 1 + 4 / 256
-"""Bytes a value travels as under ``BlockQuantization()``: its int8 code and its share of a float32
-scale per 256 values."""
+INT8_BYTES_PER_VALUE = torch.int8.itemsize + SCALE_DTYPE.itemsize / BlockQuantization().block_size
+"""Bytes a value travels as under ``BlockQuantization()``: its int8 code and its share of its block's
+scale (a cut block's further scales are a few per parameter, too few to count)."""
 
 
 def _free_port() -> int:

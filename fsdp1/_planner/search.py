@@ -87,13 +87,12 @@ class Search:
         """The fastest fitting candidate again with int8 communication, when the communication its
         compute does not hide is at least ``COMMUNICATION_DOMINATES`` of its step (and the codec's
         rate was measured): a quarter of the bytes, for the codec's time and its buffers' memory."""
-        fitting = [c for c in self.measured.values() if c.cost is not None]
+        fitting = [(c.settings, c.cost) for c in self.measured.values() if c.cost is not None]
         if not fitting or self.calibration.codec_s_per_value is None or self.shape.shard_size < 2:
             return
-        fastest = min(fitting, key=lambda c: c.cost.total if c.cost else float("inf"))
-        assert fastest.cost is not None
-        if fastest.cost.exposed_comm >= COMMUNICATION_DOMINATES * fastest.cost.total:
-            self.measure(fastest.settings.replace(quantized=True))
+        settings, cost = min(fitting, key=lambda pair: pair[1].total)
+        if cost.exposed_comm >= COMMUNICATION_DOMINATES * cost.total:
+            self.measure(settings.replace(quantized=True))
 
     def smallest(self) -> Candidate:
         return min(self.measured.values(), key=lambda c: c.footprint.peak)

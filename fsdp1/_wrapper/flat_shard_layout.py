@@ -5,7 +5,7 @@ from typing import FrozenSet, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from .._engine import collectives as comm
-from .._engine.layout import ParamLayout, alloc_storage
+from .._engine.layout import ParamLayout, Run, alloc_storage
 from .._engine.shard_math import (
     ALIGNMENT_PADDING_VALUE,
     FlatLayout,
@@ -38,20 +38,7 @@ class FlatShardLayout(ParamLayout):
         self.shard_numel = self.unsharded_numel // shard_world
         self.span: ShardSpan = shard_span(self.flat.numel, rank if is_sharded else 0, shard_world)
         self.shard_infos = param_shard_infos(self.flat, self.span)
-        self.filled_padding = self._alignment_padding_in_shard()
         self._plan_split()
-
-    def _alignment_padding_in_shard(self) -> Tuple[Tuple[int, int], ...]:
-        """The runs of this rank's shard that alignment padding fills (``ALIGNMENT_PADDING_VALUE``)."""
-        gaps, cursor = [], 0
-        for offset, numel in zip(self.flat.offsets, self.flat.numels):
-            if offset > cursor:
-                gaps.append((cursor, offset))
-            cursor = offset + numel
-        if self.flat.numel > cursor:
-            gaps.append((cursor, self.flat.numel))
-        start, end = self.span.start, self.span.end
-        return tuple((max(a, start) - start, min(b, end) - start) for a, b in gaps if min(b, end) > max(a, start))
 
     def new_unsharded(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         unsharded = torch.full((self.unsharded_numel,), ALIGNMENT_PADDING_VALUE, dtype=dtype, device=device)
@@ -79,6 +66,18 @@ class FlatShardLayout(ParamLayout):
         return RowRedistribution(self.flat.offsets, self.shapes, self.flat.numel, *self._row_rank_and_world, group)
 
     gathers_in_place = True
+
+    def sent_runs(self, rank: int, skipped: FrozenSet[int] = frozenset()) -> Tuple[Run, ...]:
+        assert not skipped, "a flat shard's runs cross parameters: none is left out"
+        span = shard_span(self.flat.numel, rank, self.world_size) if self.is_sharded else self.span
+        stretches, cursor = [], 0  # [start, end, fill) of the flat parameter, end to end
+        for offset, numel in zip(self.flat.offsets, self.flat.numels):
+            stretches += [(cursor, offset, True), (offset, offset + numel, False)]
+            cursor = offset + numel
+        stretches.append((cursor, self.flat.numel, True))  # the alignment padding at the end
+        runs = [Run(min(end, span.end) - max(start, span.start), fill) for start, end, fill in stretches
+                if min(end, span.end) > max(start, span.start)]
+        return (*runs, Run(span.numel_padded))  # then the zeros up to a multiple of the group
 
     def copy_out(self, unsharded: torch.Tensor, rows: Iterator[Tuple[int, torch.Tensor]],
                  skipped: FrozenSet[int] = frozenset()) -> None:
