@@ -36,7 +36,8 @@ from .shard_math import FlatLayout, ParamShardInfo
 
 class Run(NamedTuple):
     """A stretch of what a rank sends: one parameter's part of its shard, or padding; ``fill`` where
-    the padding holds a fill value other than zero (FSDP1's alignment padding), no parameter's."""
+    it is padding that a codec is to send as zeros (FSDP1's, whose alignment padding holds a fill
+    value other than zero)."""
 
     numel: int
     fill: bool = False

@@ -5,7 +5,7 @@ from typing import FrozenSet, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from .._engine import collectives as comm
-from .._engine.layout import ParamLayout, Run, alloc_storage
+from .._engine.layout import ParamLayout, Run, alloc_storage, runs_between
 from .._engine.shard_math import (
     ALIGNMENT_PADDING_VALUE,
     FlatLayout,
@@ -69,15 +69,10 @@ class FlatShardLayout(ParamLayout):
 
     def sent_runs(self, rank: int, skipped: FrozenSet[int] = frozenset()) -> Tuple[Run, ...]:
         assert not skipped, "a flat shard's runs cross parameters: none is left out"
-        span = shard_span(self.flat.numel, rank, self.world_size) if self.is_sharded else self.span
-        stretches, cursor = [], 0  # [start, end, fill) of the flat parameter, end to end
-        for offset, numel in zip(self.flat.offsets, self.flat.numels):
-            stretches += [(cursor, offset, True), (offset, offset + numel, False)]
-            cursor = offset + numel
-        stretches.append((cursor, self.flat.numel, True))  # the alignment padding at the end
-        runs = [Run(min(end, span.end) - max(start, span.start), fill) for start, end, fill in stretches
-                if min(end, span.end) > max(start, span.start)]
-        return (*runs, Run(span.numel_padded))  # then the zeros up to a multiple of the group
+        params = set(self._piece_of_param)  # the other pieces are padding: alignment's fill, then zeros
+        pieces = tuple(Run(size, index not in params) for index, size in enumerate(self._split_sizes))
+        start = rank * self.shard_numel if self.is_sharded else 0
+        return runs_between(pieces, start, start + self.shard_numel)
 
     def copy_out(self, unsharded: torch.Tensor, rows: Iterator[Tuple[int, torch.Tensor]],
                  skipped: FrozenSet[int] = frozenset()) -> None:
