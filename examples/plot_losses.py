@@ -1,6 +1,7 @@
 """Compare the loss curves of runs of one example on the same data (``--losses`` files of
 ``train_gpt.py``, ``train_gpt_fully_shard.py`` or ``train_hf_gpt2.py``), and plot them with matplotlib
-installed. The first run is the baseline the others are measured against.
+installed. The first run is the baseline the others are measured against; where every run has an
+``--eval-batches`` loss, that too.
 
     python examples/plot_losses.py none=out/none.json int8=out/int8.json --plot out/curves.png
 """
@@ -20,16 +21,23 @@ def main() -> None:
     parser.add_argument("--title", default="the same data, each setting")
     args = parser.parse_args()
     curves: Dict[str, List[float]] = {}
+    eval_losses: Dict[str, float] = {}  # --eval-batches's, where every run has one
     for run in args.runs:
         label, _, path = run.partition("=")
-        curves[label] = json.loads(Path(path).read_text())["losses"]
+        record = json.loads(Path(path).read_text())
+        curves[label] = record["losses"]
+        if "eval_loss" in record:
+            eval_losses[label] = record["eval_loss"]
     (base_label, base), *_ = curves.items()
     for label, losses in curves.items():
         final, mean = losses[-1], sum(losses[-LAST:]) / len(losses[-LAST:])
         base_mean = sum(base[-LAST:]) / len(base[-LAST:])
-        print(f"{label:>16}: {len(losses)} steps, loss {losses[0]:.4f} -> {final:.4f} "
-              f"({(final / base[-1] - 1) * 100:+.2f}% against {base_label}); mean of the last {LAST} steps {mean:.4f} "
-              f"({(mean / base_mean - 1) * 100:+.2f}%)")
+        line = (f"{label:>16}: {len(losses)} steps, loss {losses[0]:.4f} -> {final:.4f} "
+                f"({(final / base[-1] - 1) * 100:+.2f}% against {base_label}); mean of the last {LAST} steps {mean:.4f} "
+                f"({(mean / base_mean - 1) * 100:+.2f}%)")
+        if len(eval_losses) == len(curves):
+            line += f"; fixed batches {eval_losses[label]:.4f} ({(eval_losses[label] / eval_losses[base_label] - 1) * 100:+.2f}%)"
+        print(line)
     if args.plot:
         try:
             import matplotlib

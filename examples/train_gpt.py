@@ -125,6 +125,24 @@ def batch(data: torch.Tensor, block_size: int, batch_size: int, seed: int, step:
     return window[:, :-1], window[:, 1:]
 
 
+EVAL_STREAM = 1 << 40
+"""``batch``'s stream of the windows ``--eval-batches`` scores (plus the rank): no run's, seed's or
+setting's training stream, so that every run is scored on the same text."""
+
+
+def fixed_batches_loss(loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], data: torch.Tensor,
+                       block_size: int, batch_size: int, batches: int) -> float:
+    """The mean of ``loss_of(inputs, targets)`` over ``batches`` fixed batches a rank and over the
+    ranks, without gradients; rank 0 prints it."""
+    with torch.no_grad():
+        losses = [loss_of(*batch(data, block_size, batch_size, EVAL_STREAM + dist.get_rank(), index))
+                  for index in range(batches)]
+    mean = mean_over_ranks(torch.stack(losses).mean())
+    if dist.get_rank() == 0:
+        print(f"loss over {batches} fixed batches a rank: {mean:.6f}", flush=True)
+    return mean
+
+
 def latest_checkpoint(directory: Path) -> Tuple[int, Optional[Path]]:
     """The committed checkpoint of the highest step, or (0, None): a save cut short never commits."""
     path = checkpoint.latest(directory)
@@ -200,6 +218,9 @@ def add_training_arguments(parser: argparse.ArgumentParser, steps: int) -> None:
     parser.add_argument("--comm-quantization", choices=list(COMM_QUANTIZATION), default="none",
                         help="send gathers and gradient reductions block-quantized (fsdp1's own)")
     parser.add_argument("--losses", type=Path, help="write this run's per-step mean losses (JSON)")
+    parser.add_argument("--eval-batches", type=int, default=0, help="after training, the mean loss over this many "
+                        "fixed batches a rank, the same in every run (also in the --losses file): a final loss that "
+                        "the last batch's luck does not move")
     parser.add_argument("--seed", type=int, default=0, help="the initial model's and the batches' seed (a run's twin, "
                         "for telling a setting's effect from a trajectory's chance)")
 
@@ -261,18 +282,22 @@ def main() -> None:
                 print(f"step {step:4d} | loss {mean_loss:.4f} | {time.perf_counter() - start:.1f} s", flush=True)
     seconds = time.perf_counter() - start
     final_loss = mean_over_ranks(loss)
-    if args.losses is not None:
-        write_losses(args.losses, first_step, torch.stack(losses), rank)
     report(rank, world_size, args, args.steps - first_step + 1, vocab, num_params, held, seconds, final_loss)
+    eval_loss = fixed_batches_loss(lambda inputs, targets: F.cross_entropy(model(inputs).reshape(-1, vocab), targets.reshape(-1)),
+                                   data, args.block_size, args.batch_size, args.eval_batches) if args.eval_batches else None
+    if args.losses is not None:
+        write_losses(args.losses, first_step, torch.stack(losses), rank, eval_loss)
     dist.destroy_process_group()
 
 
-def write_losses(path: Path, first_step: int, losses: torch.Tensor, rank: int) -> None:
-    """Rank 0 writes every step's loss, averaged over the ranks, as ``train_gpt_fully_shard.py`` does."""
+def write_losses(path: Path, first_step: int, losses: torch.Tensor, rank: int, eval_loss: Optional[float] = None) -> None:
+    """Rank 0 writes every step's loss, averaged over the ranks, as ``train_gpt_fully_shard.py`` does,
+    and the ``--eval-batches`` loss where there is one."""
     dist.all_reduce(losses)
     if rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"first_step": first_step, "losses": (losses / dist.get_world_size()).tolist()}))
+        record = {"first_step": first_step, "losses": (losses / dist.get_world_size()).tolist()}
+        path.write_text(json.dumps(record if eval_loss is None else {**record, "eval_loss": eval_loss}))
 
 
 def report(rank, world_size, args, steps, vocab, num_params, held, seconds, final_loss) -> None:

@@ -39,6 +39,7 @@ from examples.train_gpt import (
     add_training_arguments,
     batch,
     check_checkpoint_dir,
+    fixed_batches_loss,
     init_distributed,
     load_corpus,
     mean_over_ranks,
@@ -104,9 +105,13 @@ def main() -> None:
             save_checkpoint(model, optim, args.checkpoint_dir, step)
         if rank == 0 and (step % 25 == 0 or step == args.steps):
             print(f"step {step:4d} | loss {losses[-1]:.4f} | {time.perf_counter() - start:.1f} s", flush=True)
+    record = {"first_step": first_step, "losses": losses}
+    if args.eval_batches:
+        record["eval_loss"] = fixed_batches_loss(lambda inputs, targets: F.cross_entropy(
+            model(inputs).reshape(-1, vocab).float(), targets.reshape(-1)), data, args.block_size, args.batch_size, args.eval_batches)
     if rank == 0 and args.losses is not None:
         args.losses.parent.mkdir(parents=True, exist_ok=True)
-        args.losses.write_text(json.dumps({"first_step": first_step, "losses": losses}))
+        args.losses.write_text(json.dumps(record))
     dist.destroy_process_group()
     if args.expect is not None:
         expected = json.loads(args.expect.read_text())

@@ -19,7 +19,15 @@ import torch.distributed as dist
 import fsdp1
 from fsdp1.wrap import ModuleWrapPolicy
 
-from examples.train_gpt import COMM_QUANTIZATION, add_training_arguments, batch, init_distributed, load_corpus, write_losses
+from examples.train_gpt import (
+    COMM_QUANTIZATION,
+    add_training_arguments,
+    batch,
+    fixed_batches_loss,
+    init_distributed,
+    load_corpus,
+    write_losses,
+)
 
 
 def main() -> None:
@@ -50,8 +58,10 @@ def main() -> None:
         losses.append(loss.detach())
         if rank == 0 and (step % 100 == 0 or step == args.steps):
             print(f"step {step:4d} | loss {loss.item():.4f} (rank 0) | {time.perf_counter() - start:.1f} s", flush=True)
+    eval_loss = fixed_batches_loss(lambda inputs, _: model(input_ids=inputs, labels=inputs).loss, data, args.block_size,
+                                   args.batch_size, args.eval_batches) if args.eval_batches else None
     if args.losses is not None:
-        write_losses(args.losses, 1, torch.stack(losses), rank)
+        write_losses(args.losses, 1, torch.stack(losses), rank, eval_loss)
     dist.destroy_process_group()
 
 

@@ -8,6 +8,7 @@ Accelerate), running unchanged.
 """
 
 import dataclasses
+import operator
 from dataclasses import dataclass
 from enum import Enum, auto
 from typing import Callable, Optional, Sequence, Tuple, Type, TypeVar, Union
@@ -164,11 +165,15 @@ class BlockQuantization:
             if dtype is not None and dtype not in QUANTIZED_DTYPES:
                 raise ValueError(f"BlockQuantization({name}={dtype!r}): expected one of {list(QUANTIZED_DTYPES)}, or None "
                                  "to send that direction unquantized")
-        if (isinstance(self.block_size, bool) or not isinstance(self.block_size, int)
-                or not 1 <= self.block_size <= MAX_BLOCK_SIZE):
+        try:  # numpy's integers too (a size read from a config), kept as a plain int
+            block_size = operator.index(self.block_size) if not isinstance(self.block_size, bool) else None
+        except TypeError:
+            block_size = None
+        if block_size is None or not 1 <= block_size <= MAX_BLOCK_SIZE:
             raise ValueError(f"BlockQuantization(block_size={self.block_size!r}): expected an int from 1 to {MAX_BLOCK_SIZE:,}, "
                              "the values that share one scale (256 by default; a larger block saves no bytes, as a "
                              "scale is 4 bytes, and pads each shard's last block)")
+        object.__setattr__(self, "block_size", block_size)
 
 
 def check_comm_quantization(value: object, where: str) -> None:

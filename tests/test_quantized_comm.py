@@ -181,11 +181,18 @@ def test_a_unit_whose_parameters_have_no_element_trains_quantized(front):
     (dict(block_size=0), "block_size=0"),
     (dict(block_size=True), "block_size=True"),
     (dict(block_size=1 << 17), "block_size=131072"),
+    (dict(block_size=2.0), "block_size=2.0"),
     (dict(weights="int8"), "weights='int8'"),
 ])
 def test_a_setting_it_cannot_send_is_refused_naming_it(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         BlockQuantization(**kwargs)
+
+
+def test_a_block_size_of_any_integer_type_is_kept_as_an_int():
+    numpy = pytest.importorskip("numpy")
+    quantization = BlockQuantization(block_size=numpy.int64(64))
+    assert type(quantization.block_size) is int and quantization == BlockQuantization(block_size=64)
 
 
 # ------------------------------------------------------------------ training
