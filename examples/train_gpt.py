@@ -252,6 +252,10 @@ def main() -> None:
         comm_quantization=COMM_QUANTIZATION[args.comm_quantization],
     )
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+    def loss_of(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(model(inputs).reshape(-1, vocab), targets.reshape(-1))
+
     first_step = resume(args.checkpoint_dir, lambda path: load_checkpoint(model, optim, path), rank) if args.resume else 1
     check_checkpoint_dir(args.checkpoint_dir, first_step, args.checkpoint_every)
     if first_step > args.steps:  # nothing left to train: the checkpoint is at or past --steps
@@ -265,7 +269,7 @@ def main() -> None:
     start = time.perf_counter()
     for step in bar:
         inputs, targets = batch(data, args.block_size, args.batch_size, args.seed * world_size + rank, step)
-        loss = F.cross_entropy(model(inputs).reshape(-1, vocab), targets.reshape(-1))
+        loss = loss_of(inputs, targets)
         loss.backward()
         optim.step()
         losses.append(loss.detach())
@@ -283,8 +287,7 @@ def main() -> None:
     seconds = time.perf_counter() - start
     final_loss = mean_over_ranks(loss)
     report(rank, world_size, args, args.steps - first_step + 1, vocab, num_params, held, seconds, final_loss)
-    eval_loss = fixed_batches_loss(lambda inputs, targets: F.cross_entropy(model(inputs).reshape(-1, vocab), targets.reshape(-1)),
-                                   data, args.block_size, args.batch_size, args.eval_batches) if args.eval_batches else None
+    eval_loss = fixed_batches_loss(loss_of, data, args.block_size, args.batch_size, args.eval_batches) if args.eval_batches else None
     if args.losses is not None:
         write_losses(args.losses, first_step, torch.stack(losses), rank, eval_loss)
     dist.destroy_process_group()

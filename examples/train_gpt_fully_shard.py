@@ -88,6 +88,10 @@ def main() -> None:
     model = shard(GPT(vocab, args.block_size, args.d_model, args.layers, args.heads), args.bf16,
                   COMM_QUANTIZATION[args.comm_quantization])
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+    def loss_of(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(model(inputs).reshape(-1, vocab).float(), targets.reshape(-1))
+
     first_step = 1
     if args.resume_from is not None:
         first_step = resume(args.resume_from, lambda path: load_checkpoint(model, optim, path), rank)
@@ -96,7 +100,7 @@ def main() -> None:
     start = time.perf_counter()
     for step in range(first_step, args.steps + 1):
         inputs, targets = batch(data, args.block_size, args.batch_size, args.seed * world_size + rank, step)
-        loss = F.cross_entropy(model(inputs).reshape(-1, vocab).float(), targets.reshape(-1))
+        loss = loss_of(inputs, targets)
         loss.backward()
         optim.step()
         optim.zero_grad(set_to_none=True)
@@ -107,8 +111,7 @@ def main() -> None:
             print(f"step {step:4d} | loss {losses[-1]:.4f} | {time.perf_counter() - start:.1f} s", flush=True)
     record = {"first_step": first_step, "losses": losses}
     if args.eval_batches:
-        record["eval_loss"] = fixed_batches_loss(lambda inputs, targets: F.cross_entropy(
-            model(inputs).reshape(-1, vocab).float(), targets.reshape(-1)), data, args.block_size, args.batch_size, args.eval_batches)
+        record["eval_loss"] = fixed_batches_loss(loss_of, data, args.block_size, args.batch_size, args.eval_batches)
     if rank == 0 and args.losses is not None:
         args.losses.parent.mkdir(parents=True, exist_ok=True)
         args.losses.write_text(json.dumps(record))

@@ -47,19 +47,21 @@ def main() -> None:
     model = fsdp1.FullyShardedDataParallel(GPT2LMHeadModel(config), auto_wrap_policy=ModuleWrapPolicy({GPT2Block}),
                                            comm_quantization=COMM_QUANTIZATION[args.comm_quantization])
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+    def loss_of(inputs: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=inputs, labels=inputs).loss  # the model shifts the labels itself
+
     losses: List[torch.Tensor] = []
     start = time.perf_counter()
     for step in range(1, args.steps + 1):
-        inputs, _ = batch(data, args.block_size, args.batch_size, args.seed * world_size + rank, step)
-        loss = model(input_ids=inputs, labels=inputs).loss  # the model shifts the labels itself
+        loss = loss_of(*batch(data, args.block_size, args.batch_size, args.seed * world_size + rank, step))
         loss.backward()
         optim.step()
         optim.zero_grad(set_to_none=True)
         losses.append(loss.detach())
         if rank == 0 and (step % 100 == 0 or step == args.steps):
             print(f"step {step:4d} | loss {loss.item():.4f} (rank 0) | {time.perf_counter() - start:.1f} s", flush=True)
-    eval_loss = fixed_batches_loss(lambda inputs, _: model(input_ids=inputs, labels=inputs).loss, data, args.block_size,
-                                   args.batch_size, args.eval_batches) if args.eval_batches else None
+    eval_loss = fixed_batches_loss(loss_of, data, args.block_size, args.batch_size, args.eval_batches) if args.eval_batches else None
     if args.losses is not None:
         write_losses(args.losses, 1, torch.stack(losses), rank, eval_loss)
     dist.destroy_process_group()

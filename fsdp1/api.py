@@ -166,10 +166,10 @@ class BlockQuantization:
                 raise ValueError(f"BlockQuantization({name}={dtype!r}): expected one of {list(QUANTIZED_DTYPES)}, or None "
                                  "to send that direction unquantized")
         try:  # numpy's integers too (a size read from a config), kept as a plain int
-            block_size = operator.index(self.block_size) if not isinstance(self.block_size, bool) else None
+            block_size = operator.index(self.block_size)
         except TypeError:
             block_size = None
-        if block_size is None or not 1 <= block_size <= MAX_BLOCK_SIZE:
+        if isinstance(self.block_size, bool) or block_size is None or not 1 <= block_size <= MAX_BLOCK_SIZE:
             raise ValueError(f"BlockQuantization(block_size={self.block_size!r}): expected an int from 1 to {MAX_BLOCK_SIZE:,}, "
                              "the values that share one scale (256 by default; a larger block saves no bytes, as a "
                              "scale is 4 bytes, and pads each shard's last block)")
