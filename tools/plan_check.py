@@ -32,7 +32,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import fsdp1
-from fsdp1._planner.dry_run import DryRun, Workload, fake_process_group
+from fsdp1._planner.dry_run import DryRun, Workload
 from fsdp1._planner.settings import Settings, blocks_of, find_blocks
 from fsdp1.plan import Plan
 
@@ -58,6 +58,14 @@ def _gpt2() -> nn.Module:
     return GPT2LMHeadModel(GPT2Config(vocab_size=4096, n_embd=256, n_layer=4, n_head=4, n_positions=128))
 
 
+def _mixtral() -> nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(MixtralConfig(vocab_size=4096, hidden_size=256, intermediate_size=344, num_hidden_layers=4,
+                                            num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
+                                            num_local_experts=4, num_experts_per_tok=2, experts_implementation="grouped_mm"))
+
+
 def _gpt_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
 
@@ -66,23 +74,40 @@ def _causal_lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return model(input_ids=tokens, labels=tokens).loss
 
 
-MODELS: Dict[str, Tuple[Callable[[], nn.Module], Callable[[nn.Module, torch.Tensor], torch.Tensor], int]] = {
-    "gpt": (_gpt, _gpt_loss, 129), "llama": (_llama, _causal_lm_loss, 128), "gpt2": (_gpt2, _causal_lm_loss, 128)}
-"""The benchmark's GPT (5.3 M parameters) and Transformers models of its size: factory, loss, tokens a sequence."""
+def _padded_loss(model: nn.Module, batch: Tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    tokens, mask, labels = batch
+    return model(input_ids=tokens, attention_mask=mask, labels=labels, use_cache=False).loss
 
 
-def _tokens(length: int, rank: int, batch: int = 2) -> torch.Tensor:
-    return torch.randint(0, 4096, (batch, length), generator=torch.Generator().manual_seed(rank))
+def _tokens(length: int) -> Callable[[int], torch.Tensor]:
+    """A rank's batch: two sequences of ``length`` tokens."""
+    return lambda rank: torch.randint(0, 4096, (2, length), generator=torch.Generator().manual_seed(rank))
+
+
+def _padded(rank: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A rank's batch of two sequences, the second padded after a quarter, the padding's labels -100."""
+    tokens, mask = _tokens(128)(rank), torch.ones(2, 128, dtype=torch.long)
+    mask[1, 32:] = 0
+    return tokens, mask, tokens.masked_fill(mask == 0, -100)
+
+
+MODELS: Dict[str, Tuple[Callable[[], nn.Module], Callable[[nn.Module, Any], torch.Tensor], Callable[[int], Any]]] = {
+    "gpt": (_gpt, _gpt_loss, _tokens(129)), "llama": (_llama, _causal_lm_loss, _tokens(128)),
+    "gpt2": (_gpt2, _causal_lm_loss, _tokens(128)), "llama-padded": (_llama, _padded_loss, _padded),
+    "mixtral": (_mixtral, _causal_lm_loss, _tokens(128))}
+"""The benchmark's GPT (5.3 M parameters) and Transformers models of its size: factory, loss, a
+rank's batch. ``llama-padded`` trains on padded rows with ignored labels and ``mixtral`` routes its
+tokens to experts: forwards that read the batch's values."""
 
 
 def _budget(model: str, api: str, world_size: int) -> int:
-    build, loss, length = MODELS[model]
+    build, loss, batch = MODELS[model]
     with torch.device("meta"):
         classes = find_blocks(build(), None)
         blocks = len(blocks_of(build(), classes))
-    dry_run = DryRun(Workload(build, _tokens(length, 0), loss, torch.optim.AdamW), classes, "cpu", None)
+    dry_run = DryRun(Workload(build, batch(0), loss, torch.optim.AdamW), classes, "cpu", None)
     settings = Settings(api, fsdp1.ShardingStrategy.FULL_SHARD)
-    with fake_process_group(world_size):
+    with dry_run.process_group(world_size):
         none, every = dry_run.measure(settings), dry_run.measure(settings.replace(checkpointed=blocks))
     return (none.peak + every.peak) // 2
 
@@ -91,8 +116,8 @@ def _rank(rank: int, world_size: int, port: int, model: str, plan: Plan, rounds:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    build, loss, length = MODELS[model]
-    tokens = _tokens(length, rank)
+    build, loss, batch = MODELS[model]
+    tokens = batch(rank)
     fitting = [c.settings for c in plan.candidates if c.fits]
     peaks = {}
     for index, settings in enumerate(fitting):
@@ -143,9 +168,9 @@ def main() -> None:
     parser.add_argument("--steps-per-round", type=int, default=3)
     parser.add_argument("--json", default="bench_out/plan_check.json")
     args = parser.parse_args()
-    build, loss, length = MODELS[args.model]
+    build, loss, batch = MODELS[args.model]
     budget = int(args.budget_mib * MIB) if args.budget_mib else _budget(args.model, args.api, args.world_size)
-    plan = fsdp1.plan(build, _tokens(length, 0), loss, world_size=args.world_size, device_memory=budget, api=args.api,
+    plan = fsdp1.plan(build, batch(0), loss, world_size=args.world_size, device_memory=budget, api=args.api,
                       device_type="cpu", headroom=0.0, param_dtypes=(None, torch.bfloat16) if args.bf16 else (None,))
     print(plan)
     raw = args.json + ".raw"

@@ -79,9 +79,31 @@ def is_process_group(group: Any) -> bool:
     return isinstance(group, ProcessGroup) or (callable(getattr(group, "rank", None)) and callable(getattr(group, "size", None)))
 
 
+class FakeGroupsStandFor:
+    """While entered, fake groups (the planner's dry runs) take the paths that groups of the job's
+    ``backend`` take, so that a dry run allocates what the job will: two gloo ranks exchange their
+    shards where another backend gathers them through a staging buffer. Process-wide, like the fake
+    default group, as autograd may run the backward's gathers on another thread."""
+
+    backend: Optional[str] = None
+
+    def __init__(self, backend: Optional[str]) -> None:
+        self._backend: Optional[str] = backend
+        self._outer: Optional[str] = None
+
+    def __enter__(self) -> None:
+        self._outer, FakeGroupsStandFor.backend = FakeGroupsStandFor.backend, self._backend
+
+    def __exit__(self, *exc: Any) -> None:
+        FakeGroupsStandFor.backend = self._outer
+
+
 def is_gloo_pair(group: ProcessGroup) -> bool:
-    """Two gloo ranks, where an exchange of chunks beats gloo's own collectives (``PairwiseExchange``)."""
-    return group_size(group) == 2 and is_gloo(group)
+    """Two gloo ranks, where an exchange of chunks beats gloo's own collectives (``PairwiseExchange``),
+    or two fake ones standing for them."""
+    if group_size(group) != 2:
+        return False
+    return is_gloo(group) or (_is_fake(group) and FakeGroupsStandFor.backend == dist.Backend.GLOO)
 
 
 def communicates(group: Any) -> bool:

@@ -60,9 +60,21 @@ class Calibration:
     host_copy_bytes: Optional[float]  # host <-> device; None where the device is the host
     measured_on: str
     codec_s_per_value: Optional[float] = None  # int8 block quantization, encoding plus decoding; None: not measured
+    inter_node_collective_bytes: Optional[float] = None  # the same across nodes; None: one node, or one rate
+    gpus_per_node: Optional[int] = None  # ranks a node, where the rate across nodes is given
 
     def as_dict(self) -> Dict[str, Any]:
         return asdict(self)
+
+    def comm_seconds(self, comm: Dict[str, int], shard_size: int, world_size: int) -> Dict[str, float]:
+        """The seconds of each kind of collective in ``comm`` (bytes a rank sends), at the rate across
+        nodes where its group spans them: a shard group is ``shard_size`` consecutive ranks, and an
+        all-reduce (over the replicas of hybrid sharding, or every rank) spans them once the job does."""
+        def rate(group_span: int) -> float:
+            if self.inter_node_collective_bytes is not None and self.gpus_per_node and group_span > self.gpus_per_node:
+                return self.inter_node_collective_bytes
+            return self.collective_bytes
+        return {kind: nbytes / rate(world_size if kind == "all_reduce" else shard_size) for kind, nbytes in comm.items()}
 
     @classmethod
     def measure(cls, device_type: str, optimizer: "OptimizerKind") -> "Calibration":
@@ -107,16 +119,18 @@ class StepCost:
         return self.compute + self.exposed_comm + self.offload + self.optimizer + self.codec
 
 
-def step_cost(settings: Settings, footprint: Footprint, calibration: Calibration, shard_size: int) -> StepCost:
+def step_cost(settings: Settings, footprint: Footprint, calibration: Calibration, shard_size: int,
+              world_size: int) -> StepCost:
     """The cost of one step of ``settings``, whose dry run gave ``footprint``; ``shard_size``: ranks
-    that split each parameter."""
+    that split each parameter, of ``world_size``."""
     compute = footprint.flops / calibration.matmul_flops[dtype_name(settings.param_dtype)]
     comm_bytes = sum(footprint.comm.values())
-    comm = comm_bytes / calibration.collective_bytes
-    hidden_bytes = float(comm_bytes)
+    seconds = calibration.comm_seconds(footprint.comm, shard_size, world_size)
+    comm = sum(seconds.values())
+    hideable = comm
     if settings.api == "FullyShardedDataParallel" and settings.backward_prefetch is None:
-        hidden_bytes -= footprint.comm.get("all_gather", 0) / 2  # backward's gathers wait for the gradient before them
-    hidden = calibration.overlap * min(hidden_bytes / calibration.collective_bytes, compute)
+        hideable -= seconds.get("all_gather", 0.0) / 2  # backward's gathers wait for the gradient before them
+    hidden = calibration.overlap * min(hideable, compute)
     offload = 0.0
     if settings.offload and calibration.host_copy_bytes is not None:  # each gather copies the shard to the device first, each gradient comes back
         shard_bytes = 4 * footprint.held

@@ -33,6 +33,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
+from .._engine.groups import FakeGroupsStandFor
 from .._torch_internals import (
     TorchDispatchMode,
     efficient_attention,
@@ -44,21 +45,26 @@ from .._torch_internals import (
     tree_map,
 )
 from .live_memory import LiveStorageTracker
+from .meta_forward import MetaForward
 from .settings import Settings, apply
 
 META = torch.device("meta")
 STEPS = 2
+JOB_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+"""The backend a job on each device type runs, whose collectives' paths the dry run takes."""
 
 
 @contextlib.contextmanager
-def fake_process_group(world_size: int, rank: int = 0) -> Iterator[None]:
-    """Make this process ``rank`` of ``world_size`` ranks whose collectives move nothing."""
+def fake_process_group(world_size: int, rank: int = 0, job_backend: Optional[str] = None) -> Iterator[None]:
+    """Make this process ``rank`` of ``world_size`` ranks whose collectives move nothing, and which
+    take the paths of ``job_backend``'s groups (``FakeGroupsStandFor``) where it is given."""
     if dist.is_initialized():
         raise RuntimeError("fsdp1: a fake process group replaces none: this process already has a default one.")
     excepthook = sys.excepthook  # init_process_group wraps it to prefix the rank, once a group made
     dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
     try:
-        yield
+        with FakeGroupsStandFor(job_backend):
+            yield
     finally:
         dist.destroy_process_group()
         sys.excepthook = excepthook
@@ -177,8 +183,8 @@ class Workload:
 
 class DryRun:
     """Runs candidates of one workload as rank 0 of a fake group of ``world_size`` ranks (entered by
-    the caller, see ``fake_process_group``); ``mesh_shape``: (replicas, shard size) for hybrid
-    sharding, else None."""
+    the caller: ``process_group``); ``mesh_shape``: (replicas, shard size) for hybrid sharding, else
+    None."""
 
     def __init__(self, workload: Workload, classes: Tuple[Type[nn.Module], ...], device_type: str,
                  mesh_shape: Optional[Tuple[int, int]]) -> None:
@@ -188,17 +194,21 @@ class DryRun:
         self._comm: Dict[Settings, Dict[str, int]] = {}
         self._flops: Dict[Tuple[int, int], int] = {}
 
+    def process_group(self, world_size: int) -> "contextlib.AbstractContextManager[None]":
+        """The fake group to measure in, standing for the job's: gloo on the CPU, NCCL on CUDA."""
+        return fake_process_group(world_size, job_backend=JOB_BACKENDS.get(self.device_type))
+
     def measure(self, settings: Settings, batch: Any = None) -> Footprint:
         """One candidate's footprint, on the example batch or on ``batch``."""
-        batch = tree_map(lambda t: t.to(META) if isinstance(t, torch.Tensor) else t,
-                         self.workload.batch if batch is None else batch)
-        tracker, comm, flops = LiveStorageTracker(record=True), CommBytes(), _flop_counter()
+        forward, tracker, comm, flops = MetaForward(), LiveStorageTracker(record=True), CommBytes(), _flop_counter()
+        batch = forward.to_meta(self.workload.batch if batch is None else batch)
         host: Set[int] = set()
-        with tracker, FusedAttention(self.device_type), warnings.catch_warnings():
+        with forward, tracker, FusedAttention(self.device_type), warnings.catch_warnings():
             warnings.filterwarnings("ignore", "The `NO_SHARD` sharding strategy is deprecated", FutureWarning)
             with META:
                 model = self.workload.build()
             model = apply(settings, model, self.classes, self._mesh(), **self._meta_options(settings))
+            forward.naming(model)
             optimizer = self.workload.optimizer(model.parameters())
             params = [p for group in optimizer.param_groups for p in group["params"]]
             host |= tracker.serials_of(params)

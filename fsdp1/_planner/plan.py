@@ -20,8 +20,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .cost import Calibration, OptimizerKind, reference_seconds
-from .dry_run import META, STEPS, DryRun, Footprint, Workload, fake_process_group, first_dim
+from .dry_run import META, STEPS, DryRun, Footprint, Workload, first_dim
 from .live_memory import LiveStorageTracker
+from .profiles import ASSUMED, PROFILES, profile
 from .search import Candidate, Search, Shape
 from .settings import APIS, FSDP1, Settings, apply, blocks_of, code, dtype_name, find_blocks, settings_dict
 
@@ -157,20 +158,23 @@ def plan(
     allow_offload: bool = True,
     host_memory: Optional[Union[int, str]] = None,
     headroom: float = 0.1,
-    calibration: Optional[Calibration] = None,
+    calibration: Optional[Union[Calibration, str]] = None,
 ) -> Plan:
     """Find the settings that fit ``device_memory`` a device at the best speed.
 
     ``build()`` makes the model (it is called under the meta device: build it without ``device=``
-    arguments); ``batch`` is one rank's example batch (any tensors; only shapes and dtypes matter) and
-    ``loss(model, batch)`` the loss a step calls ``backward()`` on; ``optimizer(params)`` makes the
+    arguments); ``batch`` is one rank's example batch (any tensors: their shapes and dtypes set the
+    peaks, and their values where the forward reads them, as in masks, packed sequences or the routing
+    of experts) and ``loss(model, batch)`` the loss a step calls ``backward()`` on; ``optimizer(params)`` makes the
     optimizer (AdamW by default). ``api``: ``"FullyShardedDataParallel"`` or ``"fully_shard"`` (or
     fsdp1's class or function); ``mesh_shape``: (replicas, shard size) for hybrid sharding;
     ``device_type``: where the job will run ("cuda" or "cpu"); ``blocks``: the classes to make units
     of (found when not given); ``param_dtypes``: the precisions of gathers and compute the plan may
     choose (``None``: full precision; add ``torch.bfloat16`` to allow it); ``host_memory``: what
     CPU offload may keep in host memory a rank (unbounded when None); ``calibration``: rates
-    measured before (``Calibration.measure``), else this machine is probed.
+    measured before (``Calibration.measure``), or a GPU's by name (``"h100-sxm"``: one of
+    ``fsdp1.plan.PROFILES``, eight a node; ``fsdp1.plan.profile`` for another node shape or network),
+    else this machine is probed (and a CUDA job planned without CUDA assumes the H100 SXM profile).
     """
     if dist.is_initialized():
         raise RuntimeError("fsdp1.plan dry-runs the model as one rank of a fake process group of the planned "
@@ -184,8 +188,11 @@ def plan(
     model = _meta_model(build)
     classes = find_blocks(model, blocks)
     num_blocks = len(blocks_of(model, classes))
-    if calibration is None:
-        calibration = _measure_calibration(device_type, workload)
+    notes: List[str] = []
+    if isinstance(calibration, str):
+        calibration = profile(calibration)
+    elif calibration is None:
+        calibration = _measure_calibration(device_type, workload, notes)
     _check_calibration(calibration, dtypes)
     usable = int(budget * (1 - headroom))
     dry_run = DryRun(workload, classes, device_type, mesh_shape)
@@ -195,9 +202,10 @@ def plan(
     start = time.perf_counter()
     frozen = any(not p.requires_grad for p in model.parameters())  # FSDP1 units may then mix frozen and trainable
     candidates = search.run(use_orig_params=frozen and api_name == FSDP1)
-    notes = [] if search.checkpointing_error is None else [
-        f"activation checkpointing fails on this model ({search.checkpointing_error}), so no candidate checkpoints; "
-        "a Transformers model that caches keys and values needs use_cache=False in the loss's call"]
+    if search.checkpointing_error is not None:
+        notes.append(f"activation checkpointing fails on this model ({search.checkpointing_error}), so no candidate "
+                     "checkpoints; a Transformers model that caches keys and values needs use_cache=False in the "
+                     "loss's call")
     fitting = [c for c in candidates if c.fits]
     if not fitting:
         raise _no_fit(search, dry_run, shape, budget, usable, notes)
@@ -212,22 +220,27 @@ def plan(
                 reference=reference, notes=notes, seconds=time.perf_counter() - start)
 
 
-def _measure_calibration(device_type: str, workload: Workload) -> Calibration:
+def _measure_calibration(device_type: str, workload: Workload, notes: List[str]) -> Calibration:
+    """This machine's probe; for a CUDA job planned without CUDA, the assumed GPU profile instead
+    (this CPU's proportions would make offload look free), said in a warning and in ``notes``."""
     optimizer = workload.optimizer([nn.Parameter(torch.zeros(1))])
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"fsdp1.plan: optimizer(params) returned {type(optimizer).__name__}; pass a function that "
                          "makes a torch.optim.Optimizer of the parameters it is given.")
     if device_type == "cuda" and not torch.cuda.is_available():
-        warnings.warn("fsdp1.plan: planning a CUDA job on a machine without CUDA: the peaks hold, but the step "
-                      "costs are this CPU's proportions. Pass calibration= measured where the job runs "
-                      "(python -m fsdp1.plan ... --json on that machine writes one).", stacklevel=3)
+        assumed = (f"planned without CUDA, so the step costs are the {ASSUMED} profile's (8 GPUs a node); pass "
+                   f"calibration= the GPU's profile name ({', '.join(sorted(PROFILES))}) or a Calibration measured "
+                   "where the job runs")
+        warnings.warn(f"fsdp1.plan: {assumed}.", stacklevel=3)
+        notes.append(assumed)
+        return profile(ASSUMED)
     return Calibration.measure(device_type, OptimizerKind.of(optimizer))
 
 
 def _check_calibration(calibration: Calibration, dtypes: Sequence[Optional[torch.dtype]]) -> None:
     if not isinstance(calibration, Calibration):
-        raise ValueError(f"fsdp1.plan: calibration={calibration!r}; pass a fsdp1.plan.Calibration (or None to probe "
-                         "this machine).")
+        raise ValueError(f"fsdp1.plan: calibration={calibration!r}; pass a fsdp1.plan.Calibration, a profile's "
+                         "name, or None to probe this machine.")
     missing = [name for name in (dtype_name(d) for d in dtypes) if name not in calibration.matmul_flops]
     if missing:
         raise ValueError(f"fsdp1.plan: the calibration has no matmul rate for {missing[0]}; measure one that has "
@@ -328,7 +341,7 @@ def _ranks_that_fit(dry_run: DryRun, smallest: Candidate, shape: Shape, fits: Ca
         world = shape.world_size * factor
         mesh = (replicas, world // replicas) if shape.mesh_shape else None
         bigger = DryRun(dry_run.workload, dry_run.classes, dry_run.device_type, mesh)
-        with fake_process_group(world):
+        with bigger.process_group(world):
             if fits(bigger.measure(smallest.settings)):
                 return world
     return None
@@ -338,7 +351,7 @@ def _batch_that_fits(dry_run: DryRun, smallest: Candidate, shape: Shape, fits: C
     """The largest batch a rank (halving the example's first dimension) on which the smallest candidate fits."""
     full = first_dim(dry_run.workload.batch)
     fraction = 0.5
-    with fake_process_group(shape.world_size):
+    with dry_run.process_group(shape.world_size):
         while full and int(full * fraction) >= 1:
             if fits(dry_run.measure(smallest.settings, dry_run.workload.scaled_batch(fraction))):
                 return int(full * fraction)

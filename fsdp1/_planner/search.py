@@ -31,7 +31,7 @@ import torch
 
 from ..api import ShardingStrategy
 from .cost import Calibration, StepCost, step_cost
-from .dry_run import DryRun, Footprint, fake_process_group
+from .dry_run import DryRun, Footprint
 from .settings import FSDP1, Settings
 
 
@@ -75,7 +75,7 @@ class Search:
 
     def run(self, use_orig_params: bool) -> List[Candidate]:
         """Every candidate measured, in the order measured."""
-        with fake_process_group(self.shape.world_size):
+        with self.dry_run.process_group(self.shape.world_size):
             for dtype in self.param_dtypes:
                 base = Settings(self.api, ShardingStrategy.FULL_SHARD, param_dtype=dtype, use_orig_params=use_orig_params)
                 if not self._family(base) and self._offload_useful():
@@ -101,7 +101,7 @@ class Search:
         if settings not in self.measured:
             footprint = self.dry_run.measure(settings)
             fits = self.fits(footprint)
-            cost = step_cost(settings, footprint, self.calibration, self.shape.shard_size) if fits else None
+            cost = step_cost(settings, footprint, self.calibration, self.shape.shard_size, self.shape.world_size) if fits else None
             self.measured[settings] = Candidate(settings, footprint, fits, cost)
         return self.measured[settings]
 

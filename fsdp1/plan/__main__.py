@@ -4,20 +4,24 @@
     python -m fsdp1.plan --config path/to/config.json --world-size 8 --device-memory 80GiB --api fully_shard
     python -m fsdp1.plan --model-type llama --set hidden_size=2048 num_hidden_layers=16 --world-size 4 --device-memory 24GiB
     python -m fsdp1.plan --factory mypackage.models:make_model --world-size 8 --device-memory 80GiB
+    python -m fsdp1.plan --preset llama-3-8b --profile h100-sxm --nodes 2x8 --bf16
 
 The model is a Transformers causal LM made from a config (a preset of public sizes, a config.json,
 or a model type with settings; nothing is downloaded, Transformers must be installed), or whatever a
 factory function returns, trained on ``--batch`` sequences of ``--seq`` tokens a rank with AdamW
 (a factory's model is called on the token ids and returns logits, or an object with ``.logits``).
 It prints the plan, every candidate measured and the code that applies the plan; ``--json`` writes
-the same as data. The step cost is calibrated by a probe of this machine; ``--calibration`` reuses a
-probe's figures (the ``calibration`` entry of a ``--json`` file written where the job will run).
+the same as data. The step cost is calibrated by a probe of this machine; ``--profile`` takes a GPU's
+published rates instead (its memory too, unless ``--device-memory`` says otherwise), in nodes of
+``--nodes NODESxGPUS`` (or ``--world-size`` ranks in nodes of 8) joined by ``--network``; ``--calibration`` reuses a probe's figures (the
+``calibration`` entry of a ``--json`` file written where the job will run). A CUDA job planned
+without CUDA and without either assumes the h100-sxm profile, and says so.
 """
 
 import argparse
 import importlib
 import json
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -25,6 +29,7 @@ from torch.nn import functional as F
 
 from .._planner.cost import Calibration
 from .._planner.plan import NoPlanFits, plan
+from .._planner.profiles import NETWORKS, PROFILES, profile
 
 PRESETS: Dict[str, Dict[str, Any]] = {
     "gpt2-xl": dict(model_type="gpt2", n_embd=1600, n_layer=48, n_head=25, vocab_size=50257, n_positions=1024),
@@ -48,12 +53,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     if positions and seq > positions:
         parser.error(f"--seq {seq} is longer than the model's {positions} positions")
     tokens = torch.zeros(args.batch, seq, dtype=torch.long)
+    world_size, calibration, device_memory = _hardware(args, parser)
     try:
-        result = plan(build, tokens, loss, world_size=args.world_size, device_memory=args.device_memory, api=args.api,
+        result = plan(build, tokens, loss, world_size=world_size, device_memory=device_memory, api=args.api,
                       mesh_shape=_mesh_shape(args.mesh, parser), device_type=args.device_type,
                       param_dtypes=(None, torch.bfloat16) if args.bf16 else (None,), allow_offload=not args.no_offload,
-                      host_memory=args.host_memory,
-                      headroom=args.headroom, calibration=_calibration(args.calibration, parser))
+                      host_memory=args.host_memory, headroom=args.headroom, calibration=calibration)
     except NoPlanFits as error:
         raise SystemExit(str(error))
     print(result)
@@ -72,8 +77,12 @@ def _parser() -> argparse.ArgumentParser:
     model.add_argument("--factory", help="module:function returning the model (built under the meta device)")
     parser.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                         help="config settings (with --model-type, --preset or --config)")
-    parser.add_argument("--world-size", type=int, required=True)
-    parser.add_argument("--device-memory", required=True, help="memory a device, e.g. 24GiB, 80GB")
+    ranks = parser.add_mutually_exclusive_group(required=True)
+    ranks.add_argument("--world-size", type=int, help="ranks of the job")
+    ranks.add_argument("--nodes", help="NODESxGPUS: the job's nodes and GPUs a node, e.g. 2x8 (with --profile)")
+    parser.add_argument("--device-memory", help="memory a device, e.g. 24GiB, 80GB (default: the --profile GPU's)")
+    parser.add_argument("--profile", choices=sorted(PROFILES), help="cost the step at this GPU's published rates")
+    parser.add_argument("--network", choices=sorted(NETWORKS), help="between the nodes (default: the profile GPU's usual)")
     parser.add_argument("--api", choices=["FullyShardedDataParallel", "fully_shard"], default="FullyShardedDataParallel")
     parser.add_argument("--mesh", help="hybrid sharding: REPLICASxSHARD, e.g. 2x4")
     parser.add_argument("--batch", type=int, default=1, help="sequences a rank and step (default 1)")
@@ -131,12 +140,33 @@ def _setting(item: str) -> Tuple[str, Any]:
 
 
 def _mesh_shape(mesh: Optional[str], parser: argparse.ArgumentParser) -> Optional[Tuple[int, int]]:
-    if mesh is None:
-        return None
-    replicas, _, shard = mesh.lower().partition("x")
-    if not (replicas.isdigit() and shard.isdigit()):
-        parser.error(f"--mesh {mesh}: pass REPLICASxSHARD, e.g. 2x4")
-    return int(replicas), int(shard)
+    return None if mesh is None else _pair(mesh, "--mesh", "REPLICASxSHARD, e.g. 2x4", parser)
+
+
+def _hardware(args: argparse.Namespace, parser: argparse.ArgumentParser
+              ) -> Tuple[int, Optional[Calibration], Union[int, str]]:
+    """The world size, the calibration (None: probe this machine) and the memory a device."""
+    if args.profile is None:
+        for flag, value in (("--nodes", args.nodes), ("--network", args.network)):
+            if value is not None:
+                parser.error(f"{flag} sets the node shape of a --profile; pass --profile NAME too")
+        if args.device_memory is None:
+            parser.error("--device-memory is required without --profile")
+        return args.world_size, _calibration(args.calibration, parser), args.device_memory
+    if args.calibration is not None:
+        parser.error("--profile and --calibration both set the step's rates; pass one")
+    memory = args.device_memory or PROFILES[args.profile].memory
+    if args.nodes is None:  # nodes of eight, as the DGX and HGX systems have
+        return args.world_size, profile(args.profile, network=args.network), memory
+    nodes, gpus = _pair(args.nodes, "--nodes", "NODESxGPUS, e.g. 2x8", parser)
+    return nodes * gpus, profile(args.profile, gpus_per_node=gpus, network=args.network), memory
+
+
+def _pair(text: str, flag: str, form: str, parser: argparse.ArgumentParser) -> Tuple[int, int]:
+    first, _, second = text.lower().partition("x")
+    if not (first.isdigit() and second.isdigit() and int(first) > 0 and int(second) > 0):
+        parser.error(f"{flag} {text}: pass {form}")
+    return int(first), int(second)
 
 
 def _calibration(path: Optional[str], parser: argparse.ArgumentParser) -> Optional[Calibration]:
