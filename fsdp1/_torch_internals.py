@@ -54,6 +54,7 @@ PATHS = (
     "torch.autograd.Variable._execution_engine",
     "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu",
     "torch.ops.aten._scaled_dot_product_efficient_attention",
+    "torch.ops.aten._grouped_mm",
     "torch.testing._internal.distributed.fake_pg.FakeStore",
     "torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper",
     "torch.distributed.algorithms._checkpoint.checkpoint_wrapper.CheckpointImpl",
@@ -173,6 +174,11 @@ def is_view(tensor: torch.Tensor) -> bool:
     return tensor._base is not None
 
 
+def view_base(tensor: torch.Tensor) -> Any:
+    """The tensor ``tensor`` views, or None. Public alternative: none."""
+    return tensor._base
+
+
 def post_accumulate_grad_hooks(tensor: torch.Tensor) -> Iterator[Callable[[torch.Tensor], None]]:
     """The hooks ``register_post_accumulate_grad_hook`` put on ``tensor``, to run them where fsdp1
     puts the reduced gradient itself (optimizer-in-backward). Public alternative: none."""
@@ -272,6 +278,18 @@ def efficient_attention(*args: Any, **kwargs: Any) -> Any:
     """aten's memory-efficient attention kernel, forced where ``scaled_dot_product_attention`` would
     choose (the planner's estimate of the kernel a GPU run takes)."""
     return torch.ops.aten._scaled_dot_product_efficient_attention(*args, **kwargs)
+
+
+def is_grouped_mm(func: Any) -> bool:
+    """Whether ``func`` is aten's grouped matmul (Transformers' mixture-of-experts layers), whose meta
+    kernel refuses float32 inputs that its CPU kernel takes."""
+    return func is torch.ops.aten._grouped_mm.default
+
+
+def op_schema(func: Any) -> Any:
+    """An aten operation's schema (which arguments it writes, what it returns). Public alternative:
+    none for an ``OpOverload``."""
+    return func._schema
 
 
 def runtime_schedule_class() -> type:

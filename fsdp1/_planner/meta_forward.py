@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from .._engine.traversal import clean_fqn
-from .._torch_internals import TorchDispatchMode, tree_leaves, tree_map
+from .._torch_internals import TorchDispatchMode, is_grouped_mm, op_schema, tree_leaves, tree_map, view_base
 
 META = torch.device("meta")
 CPU = torch.device("cpu")
@@ -95,7 +95,7 @@ class MetaForward(TorchDispatchMode):
                 return func(*args, **kwargs)
             except (RuntimeError, NotImplementedError) as error:
                 raise ValuesUnknown(self._unknown(func)) from error
-        if func is torch.ops.aten._grouped_mm.default and metas and metas[0].dtype != torch.bfloat16:
+        if is_grouped_mm(func) and metas and metas[0].dtype != torch.bfloat16:
             return _grouped_mm_shaped_as_bfloat16(func, args, kwargs)
         out = func(*args, **kwargs)
         known = facts.values_follow and all(t in self._twins for t in metas)
@@ -125,7 +125,7 @@ class MetaForward(TorchDispatchMode):
 
     def _forget(self, tensor: torch.Tensor) -> None:
         """``tensor`` has values no twin holds; so does what it is a view of."""
-        for alias in (tensor, tensor._base):
+        for alias in (tensor, view_base(tensor)):
             if alias is not None and alias in self._twins:
                 del self._twins[alias]
 
@@ -169,14 +169,15 @@ def _facts(func: Any) -> _OpFacts:
     """What ``MetaForward`` asks of each operation, read from its tags and schema once."""
     return _OpFacts(reads_values=any(tag in func.tags for tag in _VALUE_TAGS),
                     values_follow=func.overloadpacket not in _NO_VALUES and torch.Tag.nondeterministic_seeded not in func.tags,
-                    writes=func._schema.is_mutable)
+                    writes=op_schema(func).is_mutable)
 
 
 def _written(func: Any, args: Any, kwargs: Any) -> List[Any]:
     """The arguments ``func`` writes in place that it does not return (a foreach update's tensors)."""
-    if not func._schema.is_mutable or func._schema.returns:
+    schema = op_schema(func)
+    if not schema.is_mutable or schema.returns:
         return []
-    return [args[i] if i < len(args) else kwargs.get(a.name) for i, a in enumerate(func._schema.arguments)
+    return [args[i] if i < len(args) else kwargs.get(a.name) for i, a in enumerate(schema.arguments)
             if a.alias_info is not None and a.alias_info.is_write]
 
 
