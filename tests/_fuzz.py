@@ -8,18 +8,19 @@ holds fsdp1 to: every rank matches the replay, or every rank raised the same nam
 
 import functools
 import json
-import multiprocessing
 import os
 import tempfile
 import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from _harness import forkserver
 
 BATCH = 3
 LR = 0.1
@@ -264,23 +265,11 @@ def rank_main(rank: int, case: Dict[str, Any], out: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- launching
-_context: Optional[multiprocessing.context.BaseContext] = None
-
-
-def _forkserver():
-    global _context
-    if _context is None:
-        _context = multiprocessing.get_context("forkserver")
-        # torch._dynamo too: the first optimizer step imports it, 1.5 s of every case otherwise.
-        _context.set_forkserver_preload(["torch", "torch._dynamo", "fsdp1", "_fuzz", "_fuzz_stack"])
-    return _context
-
-
 def run_case(case: Dict[str, Any], deadline_s: float = 45, target: Callable[[int, Dict[str, Any], str], None] = rank_main
              ) -> Dict[str, Any]:
     """Every rank's outcome of ``target`` (each rank's run; this module's by default), or
     ``{"hang": ranks}`` (killed at the deadline) / ``{"crash": ranks}`` (ended without an outcome)."""
-    context = _forkserver()
+    context = forkserver()
     with tempfile.TemporaryDirectory() as out:
         procs = [context.Process(target=target, args=(rank, case, out), daemon=True)
                  for rank in range(case["world_size"])]

@@ -8,7 +8,6 @@ and forked ranks inherit this process's import path, where pytest put tests/.
 """
 
 import json
-import multiprocessing
 import os
 import runpy
 import signal
@@ -19,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
+
+from _harness import forkserver
 
 PREAMBLE = '''\
 import datetime, json, os, sys, time, traceback
@@ -102,16 +103,10 @@ def _reports(out: Path) -> Dict[int, dict]:
     return {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
 
 
-_server: Optional[multiprocessing.context.BaseContext] = None
-
-
 def _forked(script: Path, out: Path, nproc: int, timeout_s: float, env: Dict[str, str]) -> Job:
-    global _server
-    if _server is None:
-        _server = multiprocessing.get_context("forkserver")
-        _server.set_forkserver_preload(["torch", "torch._dynamo", "fsdp1"])
+    server = forkserver()
     start = time.monotonic()
-    procs = [_server.Process(target=_run_rank, args=(str(script), rank, nproc, str(out), env)) for rank in range(nproc)]
+    procs = [server.Process(target=_run_rank, args=(str(script), rank, nproc, str(out), env)) for rank in range(nproc)]
     for proc in procs:
         proc.start()
     for proc in procs:

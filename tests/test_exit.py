@@ -32,8 +32,10 @@ dist.all_reduce(mean)  # what a training script logs, right before it ends
 dist.destroy_process_group()
 '''
     with ThreadPoolExecutor(max_workers=2) as pool:
-        jobs = list(pool.map(lambda _: run_job(tmp_path, body, timeout_s=90), range(RUNS)))
+        # A group timeout of its own: the jobs run two at a time, and a rank still importing when its
+        # peer enters the first collective must not fail the job the test is about.
+        jobs = list(pool.map(lambda _: run_job(tmp_path, body, timeout_s=90, pg_timeout_s=30), range(RUNS)))
     for run, job in enumerate(jobs):
         assert not failed(job), failed(job)
-        assert job.returncodes == [0], f"run {run + 1} of {RUNS} exited {job.returncodes}:\\n{job.output[-2000:]}"
+        assert job.returncodes == [0], f"run {run + 1} of {RUNS} exited {job.returncodes}:\\n{job.output[-8000:]}"
         assert set(job.reports) == {0, 1}

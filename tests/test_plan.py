@@ -425,6 +425,29 @@ def test_a_forward_that_reads_values_is_planned_as_it_runs(case, api):
     assert plan.settings.checkpointed > 0  # the budget is below the peak without checkpointing
 
 
+@pytest.mark.parametrize("api", [FSDP1, FULLY_SHARD])
+def test_outputs_made_from_shapes_seen_before_measure_what_every_kernel_run_measures(api, monkeypatch):
+    """A dry run makes an operation's new outputs from the shapes it gave on inputs like these before
+    (shared by the candidates of one workload); every figure of each candidate is the figure of a dry
+    run that ran every meta kernel."""
+    from fsdp1._planner import meta_forward
+
+    build, batch, loss = READS_VALUES["padding, labels -100"]
+    workload = Workload(build, batch, loss, torch.optim.AdamW)
+    with torch.device("meta"):
+        classes = find_blocks(build(), None)
+    candidates = [Settings(api, fsdp1.ShardingStrategy.FULL_SHARD, checkpointed=1),
+                  Settings(api, fsdp1.ShardingStrategy.SHARD_GRAD_OP)]
+
+    def footprints():
+        dry_run = DryRun(workload, classes, "cpu", None)
+        with dry_run.process_group(2):
+            return [dry_run.measure(settings) for settings in candidates]
+    shared = footprints()
+    monkeypatch.setattr(meta_forward._Shapes, "of", staticmethod(lambda out, args, kwargs: None))
+    assert shared == footprints()
+
+
 def test_a_forward_whose_shapes_follow_the_weights_is_named_with_what_to_plan_instead():
     """Mixtral's eager experts pick their tokens with ``nonzero`` on the router's choices: values of
     the weights, which the dry run does not have."""

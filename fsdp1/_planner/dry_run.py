@@ -45,7 +45,7 @@ from .._torch_internals import (
     tree_map,
 )
 from .live_memory import LiveStorageTracker
-from .meta_forward import MetaForward
+from .meta_forward import MetaForward, OutputShapes
 from .settings import Settings, apply
 
 META = torch.device("meta")
@@ -193,6 +193,7 @@ class DryRun:
         # on sharding: each is counted once, by the first run that needs it.
         self._comm: Dict[Settings, Dict[str, int]] = {}
         self._flops: Dict[Tuple[int, int], int] = {}
+        self._shapes: OutputShapes = {}
 
     def process_group(self, world_size: int) -> "contextlib.AbstractContextManager[None]":
         """The fake group to measure in, standing for the job's: gloo on the CPU, NCCL on CUDA."""
@@ -200,7 +201,7 @@ class DryRun:
 
     def measure(self, settings: Settings, batch: Any = None) -> Footprint:
         """One candidate's footprint, on the example batch or on ``batch``."""
-        forward, tracker, comm, flops = MetaForward(), LiveStorageTracker(record=True), CommBytes(), _flop_counter()
+        forward, tracker, comm, flops = MetaForward(self._shapes), LiveStorageTracker(record=True), CommBytes(), _flop_counter()
         batch = forward.to_meta(self.workload.batch if batch is None else batch)
         host: Set[int] = set()
         with forward, tracker, FusedAttention(self.device_type), warnings.catch_warnings():

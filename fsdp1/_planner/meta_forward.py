@@ -13,19 +13,24 @@ It also runs the one kernel whose meta version refuses what the real ones take: 
 (Transformers' mixture-of-experts layers) checks its meta inputs for bfloat16 as CUDA does, while the
 CPU kernel multiplies float32 too; its shapes are those of the same call in bfloat16.
 
+It also spares the dry run a third of its time: torch's meta kernels are Python functions for many
+operations (the pointwise ones, layer norm, the losses), and a dry run calls the same operation on the same shapes again and again (every block
+alike, every candidate of a search). An operation whose outputs are new tensors, once run on inputs
+of given shapes, strides and dtypes, makes its outputs' shapes directly from then on.
+
 Its own work is invisible to the modes entered after it (the storage tracker, the FLOP and byte
 counters): it is entered first, so it runs below them.
 """
 
 import functools
-from typing import Any, Callable, Dict, List, NamedTuple, Optional
+from typing import Any, Callable, Dict, Hashable, List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from .._engine.traversal import clean_fqn
-from .._torch_internals import TorchDispatchMode, is_grouped_mm, op_schema, tree_leaves, tree_map, view_base
+from .._torch_internals import TorchDispatchMode, is_grouped_mm, op_schema, storage_key, tree_leaves, tree_map, view_base
 
 META = torch.device("meta")
 CPU = torch.device("cpu")
@@ -37,6 +42,7 @@ _VALUE_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
 _NO_VALUES = {torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.empty_strided, torch.ops.aten.new_empty,
               torch.ops.aten.new_empty_strided}
 """Factories whose outputs hold whatever the memory held: no values to know."""
+_SCALARS = (bool, int, float, complex, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 
 
 class ValuesUnknown(ValueError):
@@ -46,12 +52,14 @@ class ValuesUnknown(ValueError):
 class MetaForward(TorchDispatchMode):
     """While entered, meta tensors keep CPU twins of known values (see the module's docstring);
     ``to_meta`` moves a batch to the meta device with its values, ``naming`` names the modules of a
-    model in errors."""
+    model in errors. ``shapes``: the operations' output shapes seen so far (an ``OutputShapes`` dict,
+    which the dry runs of one workload share)."""
 
-    def __init__(self) -> None:
+    def __init__(self, shapes: "OutputShapes") -> None:
         super().__init__()
         self._twins = WeakTensorKeyDictionary()
         self._names: Dict[int, str] = {}
+        self._shapes = shapes
         self._running: List[nn.Module] = []
         self._hooks: List[Any] = []
 
@@ -97,10 +105,22 @@ class MetaForward(TorchDispatchMode):
                 raise ValuesUnknown(self._unknown(func)) from error
         if is_grouped_mm(func) and metas and metas[0].dtype != torch.bfloat16:
             return _grouped_mm_shaped_as_bfloat16(func, args, kwargs)
-        out = func(*args, **kwargs)
+        out = self._outputs(func, facts, args, kwargs)
         known = facts.values_follow and all(t in self._twins for t in metas)
         if known or facts.writes:  # else its outputs are new, with no twin to give or to forget
             self._follow(func, args, kwargs, known, out)
+        return out
+
+    def _outputs(self, func: Any, facts: "_OpFacts", args: Any, kwargs: Any) -> Any:
+        """``func``'s outputs on meta tensors: made from the shapes it gave on inputs like these
+        before, where its outputs are new tensors, else from its meta kernel."""
+        key = (func, _signature((args, kwargs))) if facts.new_outputs else None
+        shapes = self._shapes.get(key) if key is not None else None
+        if shapes is not None:
+            return shapes.made()
+        out = func(*args, **kwargs)
+        if key is not None and key[1] is not None and key not in self._shapes:
+            self._shapes[key] = _Shapes.of(out, args, kwargs)
         return out
 
     def _follow(self, func: Any, args: Any, kwargs: Any, known: bool, out: Any) -> None:
@@ -162,14 +182,70 @@ class _OpFacts(NamedTuple):
     reads_values: bool  # its output's shape or values need its inputs' values
     values_follow: bool  # its outputs' values follow from its inputs' (not empty memory, not a random draw)
     writes: bool  # it writes an argument in place
+    new_outputs: bool  # it returns only new tensors: no argument aliased or written
 
 
 @functools.lru_cache(maxsize=None)
 def _facts(func: Any) -> _OpFacts:
     """What ``MetaForward`` asks of each operation, read from its tags and schema once."""
-    return _OpFacts(reads_values=any(tag in func.tags for tag in _VALUE_TAGS),
+    schema = op_schema(func)
+    reads_values = any(tag in func.tags for tag in _VALUE_TAGS)
+    aliases = any(a.alias_info is not None for a in [*schema.arguments, *schema.returns])
+    return _OpFacts(reads_values=reads_values,
                     values_follow=func.overloadpacket not in _NO_VALUES and torch.Tag.nondeterministic_seeded not in func.tags,
-                    writes=op_schema(func).is_mutable)
+                    writes=schema.is_mutable,
+                    new_outputs=not (reads_values or aliases or schema.is_mutable or is_grouped_mm(func)) and bool(schema.returns)
+                    and all(str(r.type) in ("Tensor", "Tensor[]") for r in schema.returns))
+
+
+def _signature(value: Any) -> Optional[Hashable]:
+    """What an operation's outputs' shapes can follow from in ``value`` (its arguments): each
+    tensor's shape, strides, dtype and device, every other value itself; None where an argument is of
+    a kind not known to hash by its value."""
+    if isinstance(value, torch.Tensor):  # not a subclass that dispatches (a DTensor): its outputs are of its class
+        plain = type(value).__torch_dispatch__ is torch.Tensor.__torch_dispatch__
+        return (value.shape, value.stride(), value.storage_offset(), value.dtype, value.device) if plain else None
+    if isinstance(value, (list, tuple)):
+        items = tuple(_signature(item) for item in value)
+        return None if None in items else (type(value), items)
+    if isinstance(value, dict):
+        return _signature(tuple(value.items()))
+    return (type(value), value) if isinstance(value, _SCALARS) else None
+
+
+class _Shapes(NamedTuple):
+    """An operation's new outputs, as shapes to make them from: ``kind`` (a tensor, a tuple or a list)
+    and each one's shape, strides and dtype."""
+
+    kind: type
+    tensors: Tuple[Tuple[torch.Size, Tuple[int, ...], torch.dtype], ...]
+
+    @staticmethod
+    def of(out: Any, args: Any, kwargs: Any) -> Optional["_Shapes"]:
+        """``out``'s shapes, or None unless each output is a plain meta tensor with a storage of its own
+        that its shape fills, as an empty tensor made from the shapes would be."""
+        outs = [out] if isinstance(out, torch.Tensor) else out
+        if not isinstance(outs, (list, tuple)) or not all(type(t) is torch.Tensor and t.device == META for t in outs):
+            return None
+        inputs = {storage_key(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        keys = [storage_key(t.untyped_storage()) for t in outs]
+        if len(set(keys)) < len(keys) or inputs.intersection(keys):
+            return None
+        made = _Shapes(type(out), tuple((t.shape, t.stride(), t.dtype) for t in outs))
+        same = all(t.storage_offset() == 0 and t.untyped_storage().nbytes() == m.untyped_storage().nbytes()
+                   for t, m in zip(outs, made.tensors_made()))
+        return made if same else None
+
+    def tensors_made(self) -> List[torch.Tensor]:
+        return [torch.empty_strided(shape, stride, dtype=dtype, device=META) for shape, stride, dtype in self.tensors]
+
+    def made(self) -> Any:
+        tensors = self.tensors_made()
+        return self.kind(tensors) if self.kind in (tuple, list) else tensors[0]
+
+
+OutputShapes = Dict[Hashable, Optional[_Shapes]]
+"""Each operation and argument signature seen, with its outputs' shapes (None: run it every time)."""
 
 
 def _written(func: Any, args: Any, kwargs: Any) -> List[Any]:
