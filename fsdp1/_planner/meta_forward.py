@@ -14,9 +14,10 @@ It also runs the one kernel whose meta version refuses what the real ones take: 
 CPU kernel multiplies float32 too; its shapes are those of the same call in bfloat16.
 
 It also spares the dry run a third of its time: torch's meta kernels are Python functions for many
-operations (the pointwise ones, layer norm, the losses), and a dry run calls the same operation on the same shapes again and again (every block
-alike, every candidate of a search). An operation whose outputs are new tensors, once run on inputs
-of given shapes, strides and dtypes, makes its outputs' shapes directly from then on.
+operations (the pointwise ones, layer norm, the losses), and a dry run calls the same operation on
+the same shapes again and again (every block alike, every candidate of a search). An operation whose
+outputs are new tensors, once run on inputs of given shapes, strides and dtypes, makes its outputs'
+shapes directly from then on.
 
 Its own work is invisible to the modes entered after it (the storage tracker, the FLOP and byte
 counters): it is entered first, so it runs below them.
@@ -114,13 +115,15 @@ class MetaForward(TorchDispatchMode):
     def _outputs(self, func: Any, facts: "_OpFacts", args: Any, kwargs: Any) -> Any:
         """``func``'s outputs on meta tensors: made from the shapes it gave on inputs like these
         before, where its outputs are new tensors, else from its meta kernel."""
-        key = (func, _signature((args, kwargs))) if facts.new_outputs else None
-        shapes = self._shapes.get(key) if key is not None else None
-        if shapes is not None:
-            return shapes.made()
+        signature = _signature((args, kwargs)) if facts.new_outputs else None
+        if signature is None:
+            return func(*args, **kwargs)
+        key = (func, signature)
+        if key in self._shapes:
+            shapes = self._shapes[key]
+            return func(*args, **kwargs) if shapes is None else shapes.made()
         out = func(*args, **kwargs)
-        if key is not None and key[1] is not None and key not in self._shapes:
-            self._shapes[key] = _Shapes.of(out, args, kwargs)
+        self._shapes[key] = _Shapes.of(out, args, kwargs)
         return out
 
     def _follow(self, func: Any, args: Any, kwargs: Any, known: bool, out: Any) -> None:
