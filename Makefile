@@ -35,7 +35,7 @@ install-examples: $(if $(VIRTUAL_ENV),,$(VENV)/bin/python)
 test: install
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m mypy
-	$(PYTHON) -m pytest -q --durations=20 tests
+	$(PYTHON) -m pytest -q -n 2 --durations=20 tests
 
 # torch as it will be once it drops FSDP1 (tests/without_torch_fsdp1/sitecustomize.py): FSDP1's modules
 # refused to all but torch's FSDP2 and DCP; the tests that use torch's FSDP1 as an oracle skip, saying so.

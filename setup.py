@@ -21,10 +21,12 @@ setup(
         # clients' own code runs against fsdp1 (pinned: the versions the tests were run with). hypothesis:
         # the fuzzer (tests/test_fuzz.py). ruff: the linter `make test` runs first (pinned: rules change).
         # mypy: the type checker of the package, configured in mypy.ini (pinned: checks change). torchao:
-        # a real all-gather extension (its int8 training weights), which runs on CPU.
+        # a real all-gather extension (its int8 training weights), which runs on CPU. pytest-xdist: the
+        # suite runs on two workers, since one leaves the cores idle about 40% of the time (its ranks
+        # and launched jobs wait on each other and on timeouts).
         "test": ["pytest>=7", "expecttest>=0.2", "numpy", "transformers==5.23.0", "accelerate==1.15.0",
                  "lightning==2.6.6", "peft==0.21.0", "hypothesis>=6.100", "ruff==0.17.6", "mypy==2.4.1",
-                 "torchao==0.18.0"],
+                 "torchao==0.18.0", "pytest-xdist==3.8.0"],
         # train: what `make train` needs besides torch: the progress bar, and numpy, through which torch's
         # distributed checkpoint (the example's checkpoints) gathers objects (torch does not install it);
         # examples: the other examples and tools' plots and safetensors files.

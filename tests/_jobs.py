@@ -28,8 +28,12 @@ from torch import nn
 import fsdp1
 FSDP = fsdp1.FullyShardedDataParallel
 torch.set_num_threads(1)
+# Joined with a start-up timeout, then given the job's: on a loaded machine the ranks' interpreters
+# finish importing seconds apart, which is not what a job's timeout is there to catch.
 dist.init_process_group("gloo", init_method=os.environ.get("FSDP1_TEST_INIT", "env://"),
-                        timeout=datetime.timedelta(seconds={pg_timeout_s}))
+                        timeout=datetime.timedelta(seconds=max({pg_timeout_s}, 60)))
+dist.barrier()
+dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds={pg_timeout_s}))
 rank = dist.get_rank()
 T0 = time.monotonic()
 def report(**fields):
@@ -67,35 +71,40 @@ class Job:
 
 
 def run_job(tmp_path: Path, body: str, nproc: int = 2, torchrun: bool = True, timeout_s: float = 60,
-            pg_timeout_s: float = 2, torchrun_args: tuple = (), env: Optional[Dict[str, str]] = None) -> Job:
+            pg_timeout_s: float = 2, torchrun_args: tuple = (), env: Optional[Dict[str, str]] = None,
+            fork: bool = True) -> Job:
     """Run ``body`` on ``nproc`` ranks, under torchrun or (``torchrun=False``) as plain processes with
     no agent to stop the others when one fails. Plain processes are forked from a server that
-    imported torch and fsdp1 once (5 s a job saved); ``env`` is set in them before the script runs."""
+    imported torch and fsdp1 once (5 s a job saved), or with ``fork=False`` are fresh interpreters
+    (for a test of the interpreter's own exit, which a forked process never runs); ``env`` is set in
+    them before the script runs."""
     out = tmp_path / f"job-{time.monotonic_ns()}"
     out.mkdir()
     script = out / "job.py"
     script.write_text(PREAMBLE.format(out=str(out), pg_timeout_s=pg_timeout_s)
                       + textwrap.dedent(body))
-    if not torchrun:
+    if not torchrun and fork:
         return _forked(script, out, nproc, timeout_s, env or {})
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               *torchrun_args, str(script)]
     start = time.monotonic()
     pythonpath = os.pathsep.join([str(Path(__file__).parent), *filter(None, [os.environ.get("PYTHONPATH")])])
-    proc = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                                          "PYTHONPATH": pythonpath, **(env or {})},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    base_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": pythonpath, **(env or {})}
+    if not torchrun:
+        return _interpreters(script, out, nproc, timeout_s, base_env)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               *torchrun_args, str(script)]
+    proc = subprocess.Popen(command, env=base_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     timed_out = False
     try:
         output = proc.communicate(timeout=timeout_s)[0]
     except subprocess.TimeoutExpired:  # a hang: the whole session goes
         timed_out = True
-        os.killpg(proc.pid, signal.SIGKILL)
+        _kill_session(proc.pid)
         output = proc.communicate()[0]
     wall = time.monotonic() - start
     leftover = _session_alive(proc.pid)
     if leftover:
-        os.killpg(proc.pid, signal.SIGKILL)
+        _kill_session(proc.pid)
     return Job([proc.returncode], _reports(out), output, wall, timed_out, leftover)
 
 
@@ -118,6 +127,38 @@ def _forked(script: Path, out: Path, nproc: int, timeout_s: float, env: Dict[str
             proc.join()
     output = "\n".join(Path(out, f"output{rank}.txt").read_text() for rank in range(nproc))
     return Job([proc.exitcode for proc in procs], _reports(out), output, time.monotonic() - start, timed_out)
+
+
+def _interpreters(script: Path, out: Path, nproc: int, timeout_s: float, env: Dict[str, str]) -> Job:
+    """The ranks as fresh interpreters of their own (``python job.py``), joined through a file store,
+    each in a session of its own that a hang loses whole."""
+    start = time.monotonic()
+    procs = [subprocess.Popen([sys.executable, str(script)], env={
+        **env, "RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
+        "FSDP1_TEST_INIT": f"file://{out}/store?rank={rank}&world_size={nproc}"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True) for rank in range(nproc)]
+    outputs, timed_out = [], False
+    for proc in procs:
+        try:
+            wait = None if timed_out else max(0.0, start + timeout_s - time.monotonic())
+            outputs.append(proc.communicate(timeout=wait)[0])
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            for each in procs:
+                _kill_session(each.pid)
+            outputs.append(proc.communicate()[0])
+    leftover = any(_session_alive(proc.pid) for proc in procs)
+    for proc in procs:
+        _kill_session(proc.pid)
+    return Job([proc.returncode for proc in procs], _reports(out), "\n".join(outputs), time.monotonic() - start,
+               timed_out, leftover)
+
+
+def _kill_session(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _run_rank(script: str, rank: int, nproc: int, out: str, env: Dict[str, str]) -> None:
